@@ -1,0 +1,66 @@
+"""Configuration: one frozen dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class PreemptionMode(enum.Enum):
+    """How a group is evicted when decode slots run out (the paper's §4.5)."""
+
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the paged KV cache as the block manager sees it."""
+
+    block_size: int = field(default=16, metadata=_help("tokens per KV block (8-128)"))
+    num_gpu_blocks: int = field(default=4096, metadata=_help("blocks in the executor's KV pool"))
+    num_cpu_blocks: int = field(default=1024, metadata=_help("blocks in the CPU swap pool"))
+    watermark: float = field(
+        default=0.01, metadata=_help("fraction of the KV pool kept free at admission")
+    )
+    enable_prefix_caching: bool = field(
+        default=False, metadata=_help("reuse computed blocks of identical prompt prefixes")
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.num_gpu_blocks < 1 or self.num_cpu_blocks < 0:
+            raise ValueError("num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets of one engine step and the preemption policy."""
+
+    max_num_seqs: int = field(default=256, metadata=_help("sequences running at once"))
+    max_num_batched_tokens: int = field(
+        default=4096, metadata=_help("tokens computed in one step (prefill + decode)")
+    )
+    max_model_len: int = field(default=2048, metadata=_help("prompt + output tokens per sequence"))
+    preemption_mode: PreemptionMode | None = field(
+        default=None,
+        metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}), or a long prompt could never run"
+            )

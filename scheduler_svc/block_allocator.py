@@ -1,0 +1,130 @@
+"""A fixed pool of physical KV blocks on one device: free list, reference counts, prefix cache."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockId = int
+BlockHash = int
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when a pool has neither a free block nor an evictable cached one."""
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Content hash of a full block chained with its parent's, stable across processes.
+
+    Python's ``hash`` is salted per process; the hash is persisted and compared by a
+    restarted scheduler, so it comes from blake2b instead.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash if parent_hash is not None else 0).to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockAllocator:
+    """Hands out block ids of one device pool and tracks who holds them.
+
+    A block is in exactly one of three places: the free list, held (ref_count > 0),
+    or cached-and-idle (ref_count == 0 but its content hash is still registered, so a
+    later prompt with the same prefix can take it back). Cached-idle blocks are evicted
+    least recently freed first, only when the free list is empty.
+    """
+
+    def __init__(self, device: str, num_blocks: int, enable_caching: bool = False) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.device = device
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts: list[int] = [0] * num_blocks
+        self._free: list[BlockId] = list(range(num_blocks))  # a heap: lowest id first
+        self._evictable: OrderedDict[BlockId, None] = OrderedDict()
+        self._hash_to_block: dict[BlockHash, BlockId] = {}
+        self._block_to_hash: dict[BlockId, BlockHash] = {}
+        self._block_tokens: dict[BlockId, tuple[int, ...]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that ``allocate`` can hand out: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self) -> BlockId:
+        """Take a block with ref_count 1, evicting the least recently freed cached block
+        when the free list is empty. Raises NoFreeBlocksError when neither exists."""
+        if self._free:
+            block_id = heapq.heappop(self._free)
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._forget(block_id)
+        else:
+            raise NoFreeBlocksError(f"no free {self.device} block among {self.num_blocks}")
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: BlockId) -> None:
+        """Add a holder; revives a cached-idle block."""
+        if self.ref_counts[block_id] == 0:
+            if block_id not in self._evictable:
+                raise ValueError(f"{self.device} block {block_id} is free, not shareable")
+            del self._evictable[block_id]
+        self.ref_counts[block_id] += 1
+
+    def free(self, block_id: BlockId) -> None:
+        """Drop one holder; at zero the block returns to the pool (kept cached if hashed)."""
+        if self.ref_counts[block_id] <= 0:
+            raise ValueError(f"double free of {self.device} block {block_id}")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if block_id in self._block_to_hash:
+                self._evictable[block_id] = None
+            else:
+                heapq.heappush(self._free, block_id)
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> BlockId | None:
+        """A cached block holding exactly these tokens after this chain, or None."""
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is None or self._block_tokens[block_id] != tuple(token_ids):
+            return None
+        return block_id
+
+    def register(self, block_id: BlockId, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Publish a full, held block under its content hash (no-op with caching off or
+        when another block already serves that hash)."""
+        if not self.enable_caching or block_hash in self._hash_to_block:
+            return
+        if block_id in self._block_to_hash:
+            return
+        self._hash_to_block[block_hash] = block_id
+        self._block_to_hash[block_id] = block_hash
+        self._block_tokens[block_id] = tuple(token_ids)
+
+    def is_cached(self, block_id: BlockId) -> bool:
+        return block_id in self._block_to_hash
+
+    def _forget(self, block_id: BlockId) -> None:
+        del self._hash_to_block[self._block_to_hash.pop(block_id)]
+        del self._block_tokens[block_id]
+
+    def check_integrity(self) -> None:
+        """Every block is in exactly one state; the hash maps mirror each other."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate ids in the free list"
+        for block_id, ref_count in enumerate(self.ref_counts):
+            assert ref_count >= 0, f"negative ref_count on block {block_id}"
+            states = (ref_count > 0) + (block_id in free) + (block_id in self._evictable)
+            assert states == 1, f"{self.device} block {block_id} is in {states} states"
+        for block_id in self._evictable:
+            assert block_id in self._block_to_hash, f"evictable block {block_id} has no hash"
+        for block_hash, block_id in self._hash_to_block.items():
+            assert self._block_to_hash[block_id] == block_hash
+            assert block_id not in free, f"free block {block_id} is still published"

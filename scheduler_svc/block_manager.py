@@ -1,0 +1,328 @@
+"""Block tables of every sequence over the GPU and CPU pools: the paper's §4 memory manager."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pagedserve.settings import CacheConfig
+from scheduler_svc.block_allocator import BlockAllocator, BlockHash, BlockId, hash_block
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockMapping = list[tuple[BlockId, BlockId]]
+
+
+class AllocStatus(enum.Enum):
+    """Answer of an admission check: fits now, fits once blocks free up, or never fits."""
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+@dataclass(slots=True)
+class BlockManagerCounters:
+    """Monotonic counters, read by metrics."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found computed
+    cow_copies: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+
+class BlockManager:
+    """Maps each sequence's logical blocks to physical ones, allocating on demand.
+
+    A running sequence's table holds GPU block ids, a swapped one's CPU block ids. A
+    block shared by several tables (fork, prefix cache) has one reference per table.
+    """
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> BlockManager:
+        return cls(
+            config.block_size,
+            config.num_gpu_blocks,
+            config.num_cpu_blocks,
+            config.watermark,
+            config.enable_prefix_caching,
+        )
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        if block_size < 1:  # CacheConfig limits users to 8-128; the paper's figures use 4
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.gpu = BlockAllocator("gpu", num_gpu_blocks, enable_prefix_caching)
+        self.cpu = BlockAllocator("cpu", num_cpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.block_tables: dict[int, list[BlockId]] = {}
+        self.counters = BlockManagerCounters()
+        self._num_slots: dict[int, int] = {}  # token slots mapped per sequence
+        self._hashes: dict[int, list[BlockHash]] = {}  # chained hashes of full blocks
+        self._swapped: set[int] = set()  # sequences whose table holds CPU block ids
+
+    # -- admission -------------------------------------------------------------------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the waiting sequences fit, keeping the watermark free. No side effects."""
+        required = total = 0
+        for token_ids in self._distinct_prompts(group):
+            hits = self._reusable_prefix(token_ids)
+            total += self.blocks_for(len(token_ids))
+            required += self.blocks_for(len(token_ids)) - sum(
+                self.gpu.ref_counts[b] > 0 for b in hits
+            )
+        if total > self.gpu.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu.num_free_blocks - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> int:
+        """Map the waiting sequences' tokens, taking prefix-cached blocks where they match.
+
+        Waiting sequences with the same tokens (a fresh prompt, before sampling forks it)
+        share one table. Mutates the GPU pool and sets each sequence's
+        ``num_computed_tokens``.
+
+        Returns:
+            The number of tokens whose K/V was found in the cache.
+        """
+        tables: dict[tuple[int, ...], tuple[list[BlockId], int]] = {}
+        num_cached = 0
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            token_ids = seq.get_token_ids()
+            key = tuple(token_ids)
+            if key in tables:
+                for block_id in tables[key][0]:
+                    self.gpu.incref(block_id)
+            else:
+                tables[key] = self._allocate_table(token_ids)
+                num_cached += tables[key][1]
+            table, seq.num_computed_tokens = tables[key]
+            self.block_tables[seq.seq_id] = list(table)
+            self._num_slots[seq.seq_id] = len(token_ids)
+            self._hashes[seq.seq_id] = self._chain_hashes(token_ids)
+        return num_cached
+
+    def _allocate_table(self, token_ids: list[int]) -> tuple[list[BlockId], int]:
+        """A new table for these tokens and how many leading tokens it found computed."""
+        hits = self._reusable_prefix(token_ids)
+        for block_id in hits:
+            self.gpu.incref(block_id)
+        num_new = self.blocks_for(len(token_ids)) - len(hits)
+        table = hits + [self.gpu.allocate() for _ in range(num_new)]
+        for index, block_hash in enumerate(self._chain_hashes(token_ids)):
+            self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
+        num_hit_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.counters.prefix_cache_queries += len(token_ids)
+            self.counters.prefix_cache_hits += num_hit_tokens
+        return table, num_hit_tokens
+
+    # -- decode ----------------------------------------------------------------------
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every running sequence can get a slot (worst case: one new block each)."""
+        return self.gpu.num_free_blocks >= group.num_seqs(SequenceStatus.RUNNING)
+
+    def append_slots(self, seq: Sequence) -> tuple[BlockId, BlockId] | None:
+        """Map slots up to the sequence's length, allocating a block only when the last
+        one is full; a write into a shared block first moves it to a private copy.
+
+        Returns:
+            The copy-on-write ``(src, dst)`` the executor must apply before the step, or None.
+        """
+        table = self.block_tables[seq.seq_id]
+        num_slots = self._num_slots[seq.seq_id]
+        copy = None
+        if num_slots < seq.get_len() and num_slots % self.block_size != 0:
+            last = table[-1]
+            if self.gpu.ref_counts[last] > 1:
+                table[-1] = self.gpu.allocate()
+                self.gpu.free(last)
+                self.counters.cow_copies += 1
+                copy = (last, table[-1])
+        while len(table) < self.blocks_for(seq.get_len()):
+            table.append(self.gpu.allocate())
+        self._num_slots[seq.seq_id] = seq.get_len()
+        self._register_full_blocks(seq, len(self._hashes[seq.seq_id]))
+        return copy
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give the child the parent's table; every block gains a reference."""
+        table = self.block_tables[parent.seq_id]
+        for block_id in table:
+            self._pool_of(parent).incref(block_id)
+        self.block_tables[child.seq_id] = list(table)
+        self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
+        self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's table; blocks no other table holds go back to their pool."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        pool = self._pool_of(seq)
+        for block_id in table:
+            pool.free(block_id)
+        del self._num_slots[seq.seq_id]
+        del self._hashes[seq.seq_id]
+        self._swapped.discard(seq.seq_id)
+
+    # -- swapping --------------------------------------------------------------------
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return len(self._group_blocks(group, SequenceStatus.RUNNING)) <= self.cpu.num_free_blocks
+
+    def swap_out(self, group: SequenceGroup) -> BlockMapping:
+        """Move every running sequence of the group to CPU blocks, all or nothing.
+
+        Returns:
+            ``(gpu_block, cpu_block)`` pairs, one per distinct block: a block shared
+            inside the group is copied once and stays shared on the CPU.
+        """
+        mapping = self._move(group, SequenceStatus.RUNNING, self.gpu, self.cpu)
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.SWAPPED
+            self._swapped.add(seq.seq_id)
+        self.counters.swapped_out_blocks += len(mapping)
+        return mapping
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the swapped group fits back with a slot to grow each sequence."""
+        num_seqs = group.num_seqs(SequenceStatus.SWAPPED)
+        required = len(self._group_blocks(group, SequenceStatus.SWAPPED)) + num_seqs
+        if required > self.gpu.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu.num_free_blocks - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_in(self, group: SequenceGroup) -> BlockMapping:
+        """Move every swapped sequence back to GPU blocks. Returns ``(cpu, gpu)`` pairs."""
+        mapping = self._move(group, SequenceStatus.SWAPPED, self.cpu, self.gpu)
+        for seq in group.get_seqs(SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+            self._swapped.discard(seq.seq_id)
+            self._register_full_blocks(seq, 0)
+        self.counters.swapped_in_blocks += len(mapping)
+        return mapping
+
+    def _move(
+        self, group: SequenceGroup, status: SequenceStatus, src: BlockAllocator, dst: BlockAllocator
+    ) -> BlockMapping:
+        moved: dict[BlockId, BlockId] = {}
+        for seq in group.get_seqs(status):
+            table = self.block_tables[seq.seq_id]
+            for index, block_id in enumerate(table):
+                if block_id in moved:
+                    dst.incref(moved[block_id])
+                else:
+                    moved[block_id] = dst.allocate()
+                src.free(block_id)
+                table[index] = moved[block_id]
+        return list(moved.items())
+
+    # -- accounting ------------------------------------------------------------------
+
+    def get_block_table(self, seq: Sequence) -> list[BlockId]:
+        return self.block_tables[seq.seq_id]
+
+    def slot_utilization(self) -> float:
+        """Filled token slots over allocated slots in the GPU pool (the paper's measure);
+        a shared block counts once. 1.0 when nothing is allocated."""
+        filled: dict[BlockId, int] = {}
+        for seq_id, table in self.block_tables.items():
+            if seq_id in self._swapped:
+                continue
+            num_slots = self._num_slots[seq_id]
+            for index, block_id in enumerate(table):
+                used = min(self.block_size, num_slots - index * self.block_size)
+                filled[block_id] = max(filled.get(block_id, 0), used)
+        if not filled:
+            return 1.0
+        return sum(filled.values()) / (len(filled) * self.block_size)
+
+    def check_integrity(self) -> None:
+        """Recompute every reference count from the tables and compare with the pools."""
+        self.gpu.check_integrity()
+        self.cpu.check_integrity()
+        expected = {"gpu": [0] * self.gpu.num_blocks, "cpu": [0] * self.cpu.num_blocks}
+        for seq_id, table in self.block_tables.items():
+            assert len(table) == self.blocks_for(self._num_slots[seq_id]), f"seq {seq_id} table"
+            for block_id in table:
+                expected["cpu" if seq_id in self._swapped else "gpu"][block_id] += 1
+        assert expected["gpu"] == self.gpu.ref_counts, "gpu ref_counts differ from the tables"
+        assert expected["cpu"] == self.cpu.ref_counts, "cpu ref_counts differ from the tables"
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _pool_of(self, seq: Sequence) -> BlockAllocator:
+        return self.cpu if seq.seq_id in self._swapped else self.gpu
+
+    def _group_blocks(self, group: SequenceGroup, status: SequenceStatus) -> set[BlockId]:
+        return {b for seq in group.get_seqs(status) for b in self.block_tables[seq.seq_id]}
+
+    def _block_tokens(self, token_ids: list[int], index: int) -> list[int]:
+        return token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def _chain_hashes(
+        self, token_ids: list[int], start: int = 0, parent: BlockHash | None = None
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks from ``start`` on, chained from ``parent``."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = []
+        for index in range(start, len(token_ids) // self.block_size):
+            parent = hash_block(parent, self._block_tokens(token_ids, index))
+            hashes.append(parent)
+        return hashes
+
+    def _reusable_prefix(self, token_ids: list[int]) -> list[BlockId]:
+        """Cached GPU blocks for the longest run of leading blocks, stopping before the
+        block of the last token: its logits are needed, so it is computed, and it must
+        not be written into a shared block.
+
+            tokens:  [ b0 full ][ b1 full ][ b2 full ]   last token in b2
+            reuse:   [ b0 hit  ][ b1 hit  ]  b2 fresh
+        """
+        hits = []
+        max_hits = (len(token_ids) - 1) // self.block_size
+        for index, block_hash in enumerate(self._chain_hashes(token_ids)[:max_hits]):
+            block_id = self.gpu.lookup(block_hash, self._block_tokens(token_ids, index))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _distinct_prompts(self, group: SequenceGroup) -> list[list[int]]:
+        distinct = {tuple(s.get_token_ids()) for s in group.get_seqs(SequenceStatus.WAITING)}
+        return [list(token_ids) for token_ids in distinct]
+
+    def _register_full_blocks(self, seq: Sequence, start: int) -> None:
+        """Hash the sequence's full blocks from ``start`` on and publish them for reuse."""
+        num_full = self._num_slots[seq.seq_id] // self.block_size
+        if not self.enable_prefix_caching or start >= num_full:
+            return
+        hashes = self._hashes[seq.seq_id]
+        token_ids = seq.get_token_ids()[: num_full * self.block_size]
+        if len(hashes) < num_full:
+            parent = hashes[-1] if hashes else None
+            hashes.extend(self._chain_hashes(token_ids, len(hashes), parent))
+        table = self.block_tables[seq.seq_id]
+        for index in range(start, num_full):
+            self.gpu.register(table[index], hashes[index], self._block_tokens(token_ids, index))

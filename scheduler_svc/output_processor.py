@@ -1,0 +1,169 @@
+"""Applies a step's samples to its groups: appends tokens, forks samples and beams, stops."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+
+from scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(slots=True)
+class SeqSamples:
+    """What the executor drew for one scheduled sequence.
+
+    One token in a plain step; ``width`` tokens on a sampled group's first step (one per
+    sample); the top ``2 * width`` candidates per beam under beam search.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def beam_score(seq: Sequence, length_penalty: float) -> float:
+    """Cumulative logprob normalised by output length, as transformers ranks beams."""
+    return seq.cumulative_logprob / max(len(seq.output_token_ids), 1) ** length_penalty
+
+
+def num_samples(group: SequenceGroup) -> int:
+    """Tokens (or candidates) the executor must draw for each of the group's sequences."""
+    params = group.sampling_params
+    if params.use_beam_search:
+        return 2 * params.width
+    first_step = len(group.seqs) == 1 and not group.seqs[0].output_token_ids
+    return params.width if first_step else 1
+
+
+class OutputProcessor:
+    """Updates sequences after a step and frees whatever finished, within the same call."""
+
+    def __init__(self, scheduler: Scheduler, eos_token_id: int | None) -> None:
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        self.eos_token_id = eos_token_id
+        self._seq_ids = itertools.count(1 << 40)  # forks get ids clear of the request ids
+
+    def process(self, out: SchedulerOutput, samples: dict[int, SeqSamples]) -> list[SequenceGroup]:
+        """Apply ``samples`` (by seq_id) to every scheduled group.
+
+        Mutates sequences, the block manager (forks, frees) and the running queue.
+
+        Returns:
+            The groups that finished in this step.
+        """
+        for scheduled in out.scheduled:
+            group = scheduled.group
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.num_computed_tokens = seq.get_len()
+            if group.sampling_params.use_beam_search:
+                self._process_beams(group, samples)
+            else:
+                self._process_samples(group, samples)
+        return self.scheduler.free_finished()
+
+    def _process_samples(self, group: SequenceGroup, samples: dict[int, SeqSamples]) -> None:
+        for parent in group.get_seqs(SequenceStatus.RUNNING):
+            drawn = samples[parent.seq_id]
+            # Fork before the parent's own token goes in: children share its blocks.
+            children = [self._fork(group, parent) for _ in drawn.token_ids[1:]]
+            for seq, token_id, logprob in zip(
+                [parent, *children], drawn.token_ids, drawn.logprobs, strict=True
+            ):
+                seq.append_token(token_id, logprob)
+                self._check_stop(seq, group)
+
+    def _process_beams(self, group: SequenceGroup, samples: dict[int, SeqSamples]) -> None:
+        """Keep the best ``width`` continuations over all beams; park finished beams.
+
+        Beams without a surviving continuation are freed at once (the paper's Figure 9).
+        """
+        params = group.sampling_params
+        width = params.width
+        candidates = sorted(
+            (
+                (parent.cumulative_logprob + logprob, parent, token_id, logprob)
+                for parent in group.get_seqs(SequenceStatus.RUNNING)
+                for token_id, logprob in zip(
+                    samples[parent.seq_id].token_ids, samples[parent.seq_id].logprobs, strict=True
+                )
+            ),
+            key=lambda c: -c[0],
+        )
+        picks: dict[int, list[tuple[int, float]]] = defaultdict(list)
+        num_picked = 0
+        for position, (_, parent, token_id, logprob) in enumerate(candidates):
+            if num_picked == width:
+                break
+            if self._is_stop_token(token_id, params.ignore_eos, params.stop_token_ids):
+                if position < width:
+                    self._add_finished_beam(group, parent, token_id, logprob)
+                continue
+            picks[parent.seq_id].append((token_id, logprob))
+            num_picked += 1
+        for parent in group.get_seqs(SequenceStatus.RUNNING):
+            chosen = picks[parent.seq_id]
+            if not chosen:
+                self._drop(group, parent)
+                continue
+            children = [self._fork(group, parent) for _ in chosen[1:]]
+            for seq, (token_id, logprob) in zip([parent, *children], chosen, strict=True):
+                seq.append_token(token_id, logprob)
+        self._finish_beams_if_done(group)
+
+    def _finish_beams_if_done(self, group: SequenceGroup) -> None:
+        params = group.sampling_params
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        finished = [s for s in group.seqs if s.status.is_finished]
+        if running and len(running[0].output_token_ids) >= params.max_tokens:
+            for seq in running:
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        elif running and len(finished) >= params.width:
+            worst = min(beam_score(s, params.length_penalty) for s in finished)
+            best = max(beam_score(s, params.length_penalty) for s in running)
+            if best <= worst:  # no running beam can still beat a kept one
+                for seq in running:
+                    self._drop(group, seq)
+
+    def _add_finished_beam(
+        self, group: SequenceGroup, parent: Sequence, token_id: int, logprob: float
+    ) -> None:
+        """Record ``parent + token`` as a finished hypothesis, keeping the best ``width``."""
+        params = group.sampling_params
+        beam = parent.fork(next(self._seq_ids))  # owns no blocks: it will never run
+        beam.append_token(token_id, logprob)
+        beam.status = SequenceStatus.FINISHED_STOPPED
+        group.seqs.append(beam)
+        finished = [s for s in group.seqs if s.status.is_finished]
+        if len(finished) > params.width:
+            group.seqs.remove(min(finished, key=lambda s: beam_score(s, params.length_penalty)))
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = parent.fork(next(self._seq_ids))
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
+
+    def _drop(self, group: SequenceGroup, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        group.seqs.remove(seq)
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        params = group.sampling_params
+        if self._is_stop_token(seq.output_token_ids[-1], params.ignore_eos, params.stop_token_ids):
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        elif (
+            len(seq.output_token_ids) >= params.max_tokens
+            or seq.get_len() >= self.scheduler.config.max_model_len
+        ):
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def _is_stop_token(
+        self, token_id: int, ignore_eos: bool, stop_token_ids: tuple[int, ...]
+    ) -> bool:
+        return (not ignore_eos and token_id == self.eos_token_id) or token_id in stop_token_ids
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        self.block_manager.free(seq)

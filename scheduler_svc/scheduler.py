@@ -1,0 +1,210 @@
+"""The FCFS scheduler: continuous batching with all-or-nothing preemption (paper §4.5)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedserve.settings import PreemptionMode, SchedulerConfig
+from scheduler_svc.block_manager import AllocStatus, BlockManager, BlockMapping
+from scheduler_svc.sequence import SequenceGroup, SequenceStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served with this model length or KV pool."""
+
+
+@dataclass(slots=True)
+class ScheduledGroup:
+    """A group in this step; each running sequence computes tokens
+    ``[num_computed_tokens, get_len())`` through its block table."""
+
+    group: SequenceGroup
+    is_prefill: bool
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One engine step: what runs, and the cache operations the executor applies first."""
+
+    scheduled: list[ScheduledGroup] = field(default_factory=list)
+    blocks_to_swap_out: BlockMapping = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: BlockMapping = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: BlockMapping = field(default_factory=list)  # (src, dst) on the gpu
+    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+def _arrival(group: SequenceGroup) -> float:
+    return group.arrival_time
+
+
+class Scheduler:
+    """Holds the waiting, running and swapped queues, each in arrival order.
+
+    The earliest arrival is served first and preempted last; a step admits new groups
+    only when nothing had to be preempted and nothing is waiting in swap.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        """Queue a new request. Raises RequestRejectedError when it could never run."""
+        self._check_fits(group)
+        bisect.insort(self.waiting, group, key=_arrival)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Stop a request wherever it is and free its blocks; returns it, or None."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if not seq.status.is_finished:
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return group
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Drop finished groups from the running queue; their blocks were freed per sequence."""
+        done = [g for g in self.running if g.is_finished()]
+        self.running = [g for g in self.running if not g.is_finished()]
+        return done
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Mutates the queues and the block manager."""
+        out = SchedulerOutput()
+        self._schedule_running(out)
+        if not out.preempted:
+            self._schedule_swapped(out)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out)
+        assert self._num_running_seqs() <= self.config.max_num_seqs, "seq budget exceeded"
+        return out
+
+    # -- the three queues ------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Give every running sequence a slot, preempting from the back when blocks run out."""
+        index = 0
+        while index < len(self.running):
+            group = self.running[index]
+            while not self.block_manager.can_append_slots(group):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                self._append_slots(group, out)
+                out.scheduled.append(ScheduledGroup(group, is_prefill=False))
+                index += 1
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            if self.block_manager.can_swap_in(group) != AllocStatus.OK:
+                break
+            if self._num_running_seqs() + group.max_num_running_seqs() > self.config.max_num_seqs:
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
+            self._append_slots(group, out)
+            bisect.insort(self.running, group, key=_arrival)
+            out.scheduled.append(ScheduledGroup(group, is_prefill=False))
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            status = self.block_manager.can_allocate(group)
+            if status == AllocStatus.NEVER:
+                self.waiting.pop(0)
+                for seq in group.seqs:
+                    seq.status = SequenceStatus.FINISHED_IGNORED
+                out.ignored.append(group)
+                continue
+            num_tokens = sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+            if (
+                status == AllocStatus.LATER
+                or out.num_batched_tokens + num_tokens > self.config.max_num_batched_tokens
+                or self._num_running_seqs() + group.max_num_running_seqs()
+                > self.config.max_num_seqs
+            ):
+                break
+            self.waiting.pop(0)
+            num_cached = self.block_manager.allocate(group)
+            for seq in group.get_seqs(SequenceStatus.WAITING):
+                seq.status = SequenceStatus.RUNNING
+                out.num_batched_tokens += seq.get_len() - seq.num_computed_tokens
+            bisect.insort(self.running, group, key=_arrival)
+            out.scheduled.append(ScheduledGroup(group, True, num_cached))
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            copy = self.block_manager.append_slots(seq)
+            if copy is not None:
+                out.blocks_to_copy.append(copy)
+            out.num_batched_tokens += seq.get_len() - seq.num_computed_tokens
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Evict the whole group: to CPU blocks, or freed to recompute from the front of
+        the waiting queue. Swap falls back to recompute when the CPU pool is full."""
+        mode = self.config.preemption_mode
+        if mode is None:
+            single = group.num_seqs(SequenceStatus.RUNNING) == 1
+            mode = PreemptionMode.RECOMPUTE if single else PreemptionMode.SWAP
+        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
+            mode = PreemptionMode.RECOMPUTE
+        if mode == PreemptionMode.SWAP:
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+            bisect.insort(self.swapped, group, key=_arrival)
+        else:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.num_computed_tokens = 0
+            bisect.insort(self.waiting, group, key=_arrival)
+        group.num_preemptions += 1
+        out.preempted.append((group.request_id, mode))
+
+    def _num_running_seqs(self) -> int:
+        return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+
+    def _check_fits(self, group: SequenceGroup) -> None:
+        params = group.sampling_params
+        prompt_len = group.prompt_len
+        if prompt_len == 0:
+            raise RequestRejectedError("prompt must hold at least one token")
+        total = prompt_len + params.max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the maximum model length {self.config.max_model_len}"
+            )
+        bm = self.block_manager
+        if params.width == 1:
+            worst = bm.blocks_for(total)
+        else:  # shared prompt blocks, then a private tail per sequence (its CoW copy included)
+            tail = bm.blocks_for(params.max_tokens) + 1
+            worst = bm.blocks_for(prompt_len) + params.width * tail
+        capacity = bm.gpu.num_blocks - bm.watermark_blocks
+        if worst > capacity:
+            raise RequestRejectedError(
+                f"request needs up to {worst} KV blocks but the pool holds {capacity}"
+            )

@@ -1,0 +1,170 @@
+"""Requests as the scheduler sees them: sampling parameters, sequences and sequence groups."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.IntEnum):
+    """Persisted as an int; the FINISHED_* values are terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What a request asks of generation; validated here so no caller can queue nonsense."""
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.use_beam_search and self.temperature != 0:
+            raise ValueError("use_beam_search requires temperature 0")
+
+    @property
+    def width(self) -> int:
+        """Sequences the group may hold at once: samples drawn, or beams kept."""
+        return self.best_of if self.best_of is not None else self.n
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One token stream; ``num_computed_tokens`` counts tokens whose K/V is in the cache."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token_id: int, logprob: float = 0.0) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def fork(self, seq_id: int) -> Sequence:
+        """A copy under a new id, sharing nothing mutable with this one."""
+        return Sequence(
+            seq_id,
+            list(self.prompt_token_ids),
+            list(self.output_token_ids),
+            self.status,
+            self.cumulative_logprob,
+            self.num_computed_tokens,
+        )
+
+
+@dataclass(slots=True)
+class SequenceGroup:
+    """One request: its sequences (samples or beams) are scheduled and preempted together.
+
+    A group starts with one sequence; after the prompt's step the output processor forks
+    it into the ``width`` samples or beams, which then share the prompt's blocks.
+    """
+
+    request_id: str
+    seqs: list[Sequence]
+    arrival_time: float
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    num_preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.seqs[0].prompt_token_ids) if self.seqs else 0
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status == status]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def is_finished(self) -> bool:
+        return all(seq.status.is_finished for seq in self.seqs)
+
+    def outputs(self) -> list[Sequence]:
+        """The ``n`` sequences to return: best beams by length-normalised score, best of
+        ``best_of`` samples by cumulative logprob, else all samples in order."""
+        params = self.sampling_params
+        if params.use_beam_search:
+            penalty = params.length_penalty
+
+            def key(s: Sequence) -> float:
+                return s.cumulative_logprob / max(len(s.output_token_ids), 1) ** penalty
+        elif params.width > params.n:
+
+            def key(s: Sequence) -> float:
+                return s.cumulative_logprob
+        else:
+            return self.seqs[: params.n]
+        return sorted(self.seqs, key=key, reverse=True)[: params.n]
+
+    def max_num_running_seqs(self) -> int:
+        """Upper bound on sequences this group will run at once (for the seq budget)."""
+        if self.seqs and self.seqs[0].status == SequenceStatus.WAITING:
+            return self.sampling_params.width
+        return self.num_seqs(SequenceStatus.RUNNING) + self.num_seqs(SequenceStatus.SWAPPED)
