@@ -1,0 +1,196 @@
+"""Scheduler scenarios driven by the fake executor: bursts, preemption, FCFS, rejection."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.settings import PreemptionMode, SchedulerConfig
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.output_processor import OutputProcessor
+from scheduler_svc.scheduler import RequestRejectedError, Scheduler
+from scheduler_svc.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from tests.scheduler_svc.fake_executor import EOS, FakeExecutor, run_engine
+
+
+def make_scheduler(
+    num_gpu_blocks: int = 16,
+    num_cpu_blocks: int = 64,
+    block_size: int = 4,
+    mode: PreemptionMode | None = None,
+    prefix_caching: bool = False,
+    **config,
+) -> Scheduler:
+    bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, 0.0, prefix_caching)
+    config.setdefault("max_model_len", 256)
+    config.setdefault("max_num_batched_tokens", 256)
+    return Scheduler(SchedulerConfig(preemption_mode=mode, **config), bm)
+
+
+def add(
+    scheduler: Scheduler, index: int, prompt_len: int, max_tokens: int, **params
+) -> SequenceGroup:
+    prompt = [100 + (index * 7 + i) % 50 for i in range(prompt_len)]
+    params.setdefault("ignore_eos", True)
+    group = SequenceGroup(
+        f"r{index}",
+        [Sequence(index, prompt)],
+        arrival_time=float(index),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+    )
+    scheduler.add_seq_group(group)
+    return group
+
+
+def assert_pools_full(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    bm.check_integrity()
+    assert bm.block_tables == {}
+    assert bm.gpu.num_free_blocks == bm.gpu.num_blocks
+    assert bm.cpu.num_free_blocks == bm.cpu.num_blocks
+
+
+@pytest.mark.parametrize("mode", [None, PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_burst_far_larger_than_the_pool_completes_with_preemptions(mode):
+    scheduler = make_scheduler(num_gpu_blocks=40, mode=mode)
+    groups = [add(scheduler, i, 5 + i % 9, 12 + (i * 5) % 13, n=1 + i % 3) for i in range(30)]
+    finished, outputs = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    preempted = [mode for out in outputs for _, mode in out.preempted]
+    assert preempted, "a pool of 40 blocks must preempt for 30 requests"
+    if mode is not None:
+        assert set(preempted) == {mode}
+    else:  # the paper's default: recompute single sequences, swap groups
+        assert set(preempted) == {PreemptionMode.RECOMPUTE, PreemptionMode.SWAP}
+    assert sorted(g.request_id for g in finished) == sorted(g.request_id for g in groups)
+    for group in groups:
+        params = group.sampling_params
+        assert len(group.seqs) == params.n
+        assert all(len(s.output_token_ids) == params.max_tokens for s in group.seqs)
+        assert all(s.status == SequenceStatus.FINISHED_LENGTH for s in group.seqs)
+    assert_pools_full(scheduler)
+
+
+def test_preempted_output_equals_unpreempted_output():
+    roomy, tight = make_scheduler(num_gpu_blocks=256), make_scheduler(num_gpu_blocks=20)
+    results, num_preempted = [], []
+    for scheduler in (roomy, tight):
+        groups = [add(scheduler, i, 6 + i, 24, n=2) for i in range(8)]
+        run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+        results.append([[s.output_token_ids for s in g.seqs] for g in groups])
+        num_preempted.append(sum(g.num_preemptions for g in groups))
+    assert num_preempted[0] == 0 and num_preempted[1] > 0
+    assert results[0] == results[1]
+
+
+def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
+    scheduler = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=2, mode=PreemptionMode.SWAP)
+    for i in range(6):
+        add(scheduler, i, 8, 16)
+    _, outputs = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    modes = {mode for out in outputs for _, mode in out.preempted}
+    assert PreemptionMode.RECOMPUTE in modes
+    assert_pools_full(scheduler)
+
+
+def test_equal_requests_finish_in_arrival_order():
+    scheduler = make_scheduler(num_gpu_blocks=10)
+    for i in range(12):
+        add(scheduler, i, 6, 12)
+    finished, _ = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    assert [g.request_id for g in finished] == [f"r{i}" for i in range(12)]
+
+
+def test_no_starvation_long_request_amid_a_stream_of_short_ones():
+    scheduler = make_scheduler(num_gpu_blocks=24)
+    long_group = add(scheduler, 0, 30, 40)
+    processor = OutputProcessor(scheduler, EOS)
+    executor = FakeExecutor(scheduler.block_manager)
+    steps, finished = 0, []
+    while not long_group.is_finished():  # short requests keep arriving behind it
+        add(scheduler, steps + 1, 4, 4)
+        out = scheduler.schedule()
+        finished += processor.process(out, executor.execute(out))
+        steps += 1
+    assert steps == 40 and long_group.num_preemptions == 0  # FCFS: the oldest is never evicted
+    finished += run_engine(scheduler, executor)[0]
+    assert sorted(g.request_id for g in finished) == sorted(f"r{i}" for i in range(steps + 1))
+    assert_pools_full(scheduler)
+
+
+def test_admission_respects_max_num_seqs_and_the_token_budget():
+    scheduler = make_scheduler(
+        num_gpu_blocks=200, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+    )
+    for i in range(10):
+        add(scheduler, i, 20, 8)
+    _, outputs = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    for out in outputs:
+        assert out.num_batched_tokens <= 64
+        assert sum(len(s.group.get_seqs()) for s in out.scheduled) <= 4
+
+
+def test_requests_that_can_never_fit_are_rejected_at_once():
+    scheduler = make_scheduler(num_gpu_blocks=8)
+    with pytest.raises(RequestRejectedError, match="maximum model length 256"):
+        add(scheduler, 0, 250, 10)
+    with pytest.raises(RequestRejectedError, match="KV blocks"):
+        add(scheduler, 1, 20, 20)  # 10 blocks of 4 tokens; the pool holds 8
+    with pytest.raises(RequestRejectedError, match="KV blocks"):
+        add(scheduler, 2, 4, 8, n=4)  # four private tails do not fit
+    assert not scheduler.has_unfinished()
+
+
+def test_stop_token_ends_a_sequence_and_frees_its_blocks():
+    scheduler = make_scheduler()
+    group = add(scheduler, 0, 6, 50, ignore_eos=False)
+    executor = FakeExecutor(scheduler.block_manager, eos_after={"r0": 5})
+    run_engine(scheduler, executor)
+    seq = group.seqs[0]
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.output_token_ids[-1] == EOS
+    assert len(seq.output_token_ids) == 5
+    assert_pools_full(scheduler)
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    scheduler = make_scheduler(num_gpu_blocks=14)
+    first = add(scheduler, 0, 8, 16, n=2)
+    second = add(scheduler, 1, 8, 4)
+    executor = FakeExecutor(scheduler.block_manager)
+    processor = OutputProcessor(scheduler, EOS)
+    for _ in range(3):
+        out = scheduler.schedule()
+        processor.process(out, executor.execute(out))
+    assert scheduler.abort("r0") is first
+    assert all(s.status == SequenceStatus.FINISHED_ABORTED for s in first.seqs)
+    assert scheduler.abort("missing") is None
+    run_engine(scheduler, executor)
+    assert second.is_finished()
+    assert_pools_full(scheduler)
+
+
+def test_prefix_caching_skips_shared_prompt_blocks():
+    scheduler = make_scheduler(num_gpu_blocks=64, prefix_caching=True)
+    system = list(range(200, 216))  # four full blocks of 4
+    groups = []
+    for i in range(4):
+        group = SequenceGroup(
+            f"r{i}", [Sequence(i, [*system, 300 + i])], float(i), SamplingParams(max_tokens=6)
+        )
+        scheduler.add_seq_group(group)
+        groups.append(group)
+    _, outputs = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    cached = [s.num_cached_tokens for out in outputs for s in out.scheduled if s.is_prefill]
+    assert cached == [0, 16, 16, 16]
+    counters = scheduler.block_manager.counters
+    assert (counters.prefix_cache_queries, counters.prefix_cache_hits) == (68, 48)
+
+
+def test_beam_search_keeps_width_beams_and_returns_the_best():
+    scheduler = make_scheduler(num_gpu_blocks=64)
+    group = add(scheduler, 0, 7, 10, n=2, best_of=3, use_beam_search=True, temperature=0)
+    _, outputs = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    assert len(group.seqs) == 3
+    assert all(len(s.output_token_ids) == 10 for s in group.seqs)
+    best = group.outputs()
+    assert len(best) == 2 and best[0].cumulative_logprob >= best[1].cumulative_logprob
+    assert sum(len(out.blocks_to_copy) for out in outputs) > 0
+    assert_pools_full(scheduler)
