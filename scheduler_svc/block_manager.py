@@ -85,6 +85,11 @@ class BlockManager:
             required += self.blocks_for(len(token_ids)) - sum(
                 self.gpu.ref_counts[b] > 0 for b in hits
             )
+        return self._admission(total, required)
+
+    def _admission(self, total: int, required: int) -> AllocStatus:
+        """NEVER when ``total`` blocks exceed the pool less the watermark; OK when taking
+        ``required`` more keeps the watermark free; LATER otherwise."""
         if total > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu.num_free_blocks - required >= self.watermark_blocks:
@@ -206,11 +211,7 @@ class BlockManager:
         """Whether the swapped group fits back with a slot to grow each sequence."""
         num_seqs = group.num_seqs(SequenceStatus.SWAPPED)
         required = len(self._group_blocks(group, SequenceStatus.SWAPPED)) + num_seqs
-        if required > self.gpu.num_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        if self.gpu.num_free_blocks - required >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        return self._admission(required, required)
 
     def swap_in(self, group: SequenceGroup) -> BlockMapping:
         """Move every swapped sequence back to GPU blocks. Returns ``(cpu, gpu)`` pairs."""
