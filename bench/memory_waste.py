@@ -29,11 +29,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
+from pagedserve.step import SeqOutput
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor, SeqSamples
+from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
 
@@ -97,7 +99,7 @@ def replay_paged(trace: Trace, block_size: int, kv_slots: int, max_model_len: in
             result.utilization.append(block_manager.slot_utilization())
             result.concurrent.append(len(scheduler.running))
             seqs = [s for g in out.scheduled for s in g.group.get_seqs(SequenceStatus.RUNNING)]
-            samples = {seq.seq_id: SeqSamples([1], [0.0]) for seq in seqs}
+            samples = {seq.seq_id: SeqOutput(seq.seq_id, [1], [0.0]) for seq in seqs}
             bar.update(len(processor.process(out, samples)))
     return result
 

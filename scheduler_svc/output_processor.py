@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass
 
+from pagedserve.step import SeqOutput
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-@dataclass(slots=True)
-class SeqSamples:
-    """What the executor drew for one scheduled sequence.
-
-    One token in a plain step; ``width`` tokens on a sampled group's first step (one per
-    sample); the top ``2 * width`` candidates per beam under beam search.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
 
 
 def beam_score(seq: Sequence, length_penalty: float) -> float:
@@ -45,7 +33,7 @@ class OutputProcessor:
         self.eos_token_id = eos_token_id
         self._seq_ids = itertools.count(1 << 40)  # forks get ids clear of the request ids
 
-    def process(self, out: SchedulerOutput, samples: dict[int, SeqSamples]) -> list[SequenceGroup]:
+    def process(self, out: SchedulerOutput, samples: dict[int, SeqOutput]) -> list[SequenceGroup]:
         """Apply ``samples`` (by seq_id) to every scheduled group.
 
         Mutates sequences, the block manager (forks, frees) and the running queue.
@@ -63,7 +51,7 @@ class OutputProcessor:
                 self._process_samples(group, samples)
         return self.scheduler.free_finished()
 
-    def _process_samples(self, group: SequenceGroup, samples: dict[int, SeqSamples]) -> None:
+    def _process_samples(self, group: SequenceGroup, samples: dict[int, SeqOutput]) -> None:
         for parent in group.get_seqs(SequenceStatus.RUNNING):
             drawn = samples[parent.seq_id]
             # Fork before the parent's own token goes in: children share its blocks.
@@ -74,7 +62,7 @@ class OutputProcessor:
                 seq.append_token(token_id, logprob)
                 self._check_stop(seq, group)
 
-    def _process_beams(self, group: SequenceGroup, samples: dict[int, SeqSamples]) -> None:
+    def _process_beams(self, group: SequenceGroup, samples: dict[int, SeqOutput]) -> None:
         """Keep the best ``width`` continuations over all beams; park finished beams.
 
         Beams without a surviving continuation are freed at once (the paper's Figure 9).

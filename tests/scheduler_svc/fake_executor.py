@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.step import SeqOutput
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor, SeqSamples, num_samples
+from scheduler_svc.output_processor import OutputProcessor, num_samples
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import SequenceGroup, SequenceStatus
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 
 EOS = 2
 
@@ -28,7 +29,7 @@ class FakeExecutor:
         self.gpu = [[None] * bm.block_size for _ in range(bm.gpu.num_blocks)]
         self.cpu = [[None] * bm.block_size for _ in range(bm.cpu.num_blocks)]
 
-    def execute(self, out: SchedulerOutput) -> dict[int, SeqSamples]:
+    def execute(self, out: SchedulerOutput) -> dict[int, SeqOutput]:
         self.steps += 1
         for gpu_block, cpu_block in out.blocks_to_swap_out:
             self.cpu[cpu_block] = list(self.gpu[gpu_block])
@@ -51,17 +52,18 @@ class FakeExecutor:
             table = self.block_manager.get_block_table(seq)
             seen = [self.gpu[table[pos // bs]][pos % bs] for pos in range(seq.get_len())]
             assert seen == seq.get_token_ids(), f"seq {seq.seq_id} reads a corrupted cache"
-            samples[seq.seq_id] = self._draw(group, seq.get_token_ids())
+            samples[seq.seq_id] = self._draw(group, seq)
         return samples
 
-    def _draw(self, group: SequenceGroup, tokens: list[int]) -> SeqSamples:
+    def _draw(self, group: SequenceGroup, seq: Sequence) -> SeqOutput:
+        tokens = seq.get_token_ids()
         k = num_samples(group)
         base = 10 + (sum(tokens[-4:]) * 31 + len(tokens)) % 900
         token_ids = [base + i for i in range(k)]
         if len(tokens) - group.prompt_len + 1 == self.eos_after.get(group.request_id):
             token_ids[0] = EOS
         logprobs = [-0.1 * (i + 1) - (base % 7) * 0.01 for i in range(k)]
-        return SeqSamples(token_ids, logprobs)
+        return SeqOutput(seq.seq_id, token_ids, logprobs)
 
 
 def run_engine(

@@ -1,0 +1,66 @@
+"""One engine step as the executor receives it and what it answers: the contract between
+the scheduler (which decides) and the executor (which computes), in process or over gRPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence of the step: compute K/V for ``new_token_ids`` at positions
+    ``num_computed_tokens ..`` through ``block_table``, then draw ``num_samples`` tokens.
+
+        positions:  0 .. num_computed_tokens-1 | num_computed_tokens .. +len(new_token_ids)-1
+                    already in the cache        this step writes these slots and attends to all
+    """
+
+    seq_id: int
+    new_token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+    num_samples: int = 1
+    # Seeds a per-sequence generator so a seeded request draws the same tokens whatever
+    # else shares its batch: (seed, sample index, output length) fixes every draw.
+    sample_index: int = 0
+    # Only sent when a penalty needs them: the full prompt and the output so far.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + len(self.new_token_ids)
+
+
+@dataclass(slots=True)
+class ExecuteStep:
+    """Cache operations, applied in this order before the forward pass, then the batch."""
+
+    step_id: int
+    epoch: int
+    seqs: list[SeqStep]
+    blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst), gpu pool
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What was drawn for one sequence: ``num_samples`` tokens with their logprobs, and
+    when asked for, the top alternatives of each draw as ``{token_id: logprob}``."""
+
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    outputs: list[SeqOutput]
