@@ -50,6 +50,15 @@ class SamplingParams:
             raise ValueError("use_beam_search requires temperature 0")
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the sequence's token history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
     def width(self) -> int:
         """Sequences the group may hold at once: samples drawn, or beams kept."""
         return self.best_of if self.best_of is not None else self.n

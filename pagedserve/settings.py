@@ -64,3 +64,40 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or a long prompt could never run"
             )
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """The model and the memory the executor gives its KV pool and swap pool."""
+
+    model: str = field(
+        default="SmolLM2-135M-Instruct",
+        metadata=_help("default model name, Hugging Face checkpoint directory or .gguf file"),
+    )
+    dtype: str = field(default="auto", metadata=_help("auto, float32, float16 or bfloat16"))
+    device: str = field(default="auto", metadata=_help("auto, cpu or cuda[:N]"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV block (8-128)"))
+    num_gpu_blocks: int | None = field(
+        default=None, metadata=_help("KV pool size in blocks (overrides kv_cache_memory)")
+    )
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=_help("KV pool size in bytes; default 1 GiB on CPU, 90% of free GPU memory"),
+    )
+    swap_space: float = field(default=1.0, metadata=_help("CPU swap pool in GiB"))
+    max_model_len: int | None = field(
+        default=None, metadata=_help("longest sequence; default: the model's own limit")
+    )
+    seed: int = field(default=0, metadata=_help("seed of unseeded sampling"))
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16; got {self.dtype}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

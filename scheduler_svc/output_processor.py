@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Iterator
 
 from pagedserve.step import SeqOutput
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
@@ -27,11 +28,17 @@ def num_samples(group: SequenceGroup) -> int:
 class OutputProcessor:
     """Updates sequences after a step and frees whatever finished, within the same call."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        eos_token_id: int | None,
+        seq_ids: Iterator[int] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         self.eos_token_id = eos_token_id
-        self._seq_ids = itertools.count(1 << 40)  # forks get ids clear of the request ids
+        # Forks draw ids from the engine's counter; standalone, from far above prompt ids.
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count(1 << 40)
 
     def process(self, out: SchedulerOutput, samples: dict[int, SeqOutput]) -> list[SequenceGroup]:
         """Apply ``samples`` (by seq_id) to every scheduled group.
@@ -56,10 +63,11 @@ class OutputProcessor:
             drawn = samples[parent.seq_id]
             # Fork before the parent's own token goes in: children share its blocks.
             children = [self._fork(group, parent) for _ in drawn.token_ids[1:]]
-            for seq, token_id, logprob in zip(
-                [parent, *children], drawn.token_ids, drawn.logprobs, strict=True
+            tops = drawn.top_logprobs or [None] * len(drawn.token_ids)
+            for seq, token_id, logprob, top in zip(
+                [parent, *children], drawn.token_ids, drawn.logprobs, tops, strict=True
             ):
-                seq.append_token(token_id, logprob)
+                seq.append_token(token_id, logprob, top)
                 self._check_stop(seq, group)
 
     def _process_beams(self, group: SequenceGroup, samples: dict[int, SeqOutput]) -> None:

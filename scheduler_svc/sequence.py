@@ -46,6 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -53,9 +54,13 @@ class Sequence:
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def append_token(self, token_id: int, logprob: float = 0.0) -> None:
+    def append_token(
+        self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None
+    ) -> None:
         self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def fork(self, seq_id: int) -> Sequence:
         """A copy under a new id, sharing nothing mutable with this one."""
@@ -66,6 +71,7 @@ class Sequence:
             self.status,
             self.cumulative_logprob,
             self.num_computed_tokens,
+            list(self.output_top_logprobs),
         )
 
 

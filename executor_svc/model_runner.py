@@ -1,0 +1,95 @@
+"""Turns a step's sequences into one flat, unpadded batch, runs the model, samples."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.attention import AttentionMetadata
+from executor_svc.cache_engine import CacheEngine
+from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.sampler import Sampler
+from pagedserve.step import SeqOutput, SeqStep
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    last_token_index: torch.Tensor  # [num_seqs], each sequence's last new token
+    meta: AttentionMetadata
+
+
+class ModelRunner:
+    """Runs prefill and decode sequences of one step in a single forward pass."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqStep]) -> list[SeqOutput]:
+        """Compute every sequence's new tokens against its cached context and draw samples.
+
+        Writes the new tokens' K/V into the KV pool. Returns outputs in input order.
+        """
+        if not seqs:
+            return []
+        # Prefill sequences first, then decodes (one new token each), keeping input order.
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].new_token_ids) == 1)
+        ordered = [seqs[i] for i in order]
+        batch = self._prepare(ordered)
+        hidden = self.model(batch.input_ids, batch.positions, self.cache.gpu_cache, batch.meta)
+        logits = self.model.compute_logits(hidden[batch.last_token_index])
+        sampled = self.sampler(logits, ordered)
+        outputs: list[SeqOutput] = [None] * len(seqs)  # type: ignore[list-item]
+        for index, output in zip(order, sampled, strict=True):
+            outputs[index] = output
+        return outputs
+
+    def _prepare(self, seqs: list[SeqStep]) -> ModelInput:
+        """Positions, slots and block tables for the flat batch, built with tensor ops.
+
+        For a sequence with c cached tokens and q new ones, new token i sits at position
+        c + i and is written to slot ``block_table[pos // B] * B + pos % B``.
+        """
+        device, block_size = self.device, self.cache.shape.block_size
+        query_lens = torch.tensor([len(s.new_token_ids) for s in seqs])
+        computed = torch.tensor([s.num_computed_tokens for s in seqs])
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+            dtype=torch.int32,
+        )
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        positions = computed[seq_index] + torch.arange(int(query_lens.sum())) - starts[seq_index]
+        blocks = tables[seq_index, positions // block_size].long()
+        slots = blocks * block_size + positions % block_size
+        context_lens = (computed + query_lens).to(torch.int32)
+        num_prefill = int((query_lens > 1).sum())
+        num_prefill_tokens = int(query_lens[:num_prefill].sum())
+        start_loc = torch.zeros(num_prefill + 1, dtype=torch.int32)
+        start_loc[1:] = torch.cumsum(query_lens[:num_prefill], 0)
+        input_ids = list(itertools.chain.from_iterable(s.new_token_ids for s in seqs))
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_query_start_loc=start_loc.to(device),
+            prefill_context_lens=context_lens[:num_prefill].to(device),
+            prefill_block_tables=tables[:num_prefill].to(device),
+            decode_context_lens=context_lens[num_prefill:].to(device),
+            decode_block_tables=tables[num_prefill:].to(device),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=positions.to(device),
+            last_token_index=(starts + query_lens - 1).to(device),
+            meta=meta,
+        )

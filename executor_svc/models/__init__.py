@@ -1,0 +1,1 @@
+"""Model architectures written for the paged KV cache."""

@@ -1,0 +1,181 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 shapes) over the paged cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from executor_svc.attention import AttentionMetadata, PagedAttention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed from the checkpoint's rope parameters
+    (default, linear, dynamic, yarn, llama3 ...) by transformers' own initialiser."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        hf = LlamaRotaryEmbedding(config)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * hf.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * hf.attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * hf.attention_scaling, persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one matmul."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), kv_cache, meta, rotary
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow transformers' Llama, so its state dict loads after fusing
+    q/k/v and gate/up (``load_hf_state_dict``)."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],  # one per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta, self.rotary)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        q_size, kv_size, _ = self.layers[0].self_attn.split
+        inter = self.config.intermediate_size
+        fused = {  # name in the checkpoint -> (our fused parameter, row offset)
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q_size),
+            "v_proj": ("qkv_proj", q_size + kv_size),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", inter),
+        }
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            parts = name.split(".")
+            if len(parts) > 3 and parts[-2] in fused:
+                target, offset = fused[parts[-2]]
+                param = params[".".join([*parts[:-2], target, parts[-1]])]
+                param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+            else:
+                params[name].data.copy_(tensor)

@@ -1,0 +1,223 @@
+"""Turns one step's next-token logits into drawn tokens and their logprobs, batched."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import SeqOutput, SeqStep
+
+
+class Sampler:
+    """Draws every sequence's tokens with a handful of batched ops over the whole step.
+
+    The logprob reported for a token (chosen or top alternative) is
+    ``log_softmax(penalized_logits / temperature)`` -- temperature 0 divides by nothing --
+    taken *before* top-k / top-p / min-p truncation, so it measures how likely the model
+    found the token rather than how the truncated draw treated it.
+    """
+
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqStep]) -> list[SeqOutput]:
+        """Draw ``seq.num_samples`` tokens for each row; mutates nothing passed in.
+
+        Args:
+            logits: ``[num_seqs, vocab_size]`` next-token logits, row ``i`` for ``seqs[i]``.
+        Raises:
+            ValueError: the rows do not match ``seqs``, or a beam asks for more tokens
+                than the vocabulary holds.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} seqs")
+        if not seqs:
+            return []
+        vocab_size = logits.shape[1]
+        for seq in seqs:
+            if seq.sampling_params.use_beam_search and seq.num_samples > vocab_size:
+                raise ValueError(f"seq {seq.seq_id}: {seq.num_samples} beams > vocab")
+        logits = _apply_penalties(logits.float(), seqs)
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in _params(seqs)]
+        temps_t = torch.tensor(temps, device=logits.device).unsqueeze(1)
+        logprobs = torch.log_softmax(logits / temps_t, dim=-1)  # [num_seqs, vocab_size]
+        token_ids = _draw(logprobs, seqs)  # [num_seqs, max_samples]
+        return _build_outputs(logprobs, token_ids, seqs)
+
+
+def _params(seqs: list[SeqStep]) -> list[SamplingParams]:
+    return [seq.sampling_params for seq in seqs]
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[len(token_lists), vocab_size]`` occurrence counts, built with one scatter."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    padded = [tokens + [vocab_size] * (width - len(tokens)) for tokens in token_lists]
+    index = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(token_lists), -1)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
+    """Repetition (CTRL: over prompt and output), presence and frequency (OpenAI: over
+    the output) penalties on a copy of ``logits``; rows without a penalty pass through.
+
+    Args:
+        logits: ``[num_seqs, vocab_size]``.
+    """
+    rows = [
+        i
+        for i, seq in enumerate(seqs)
+        if seq.sampling_params.has_penalties and (seq.prompt_token_ids or seq.output_token_ids)
+    ]
+    if not rows:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    output_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab_size, device)
+    prompt_counts = _token_counts([seqs[i].prompt_token_ids for i in rows], vocab_size, device)
+    params = [seqs[i].sampling_params for i in rows]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, device=device).unsqueeze(1)
+
+    repetition = column([p.repetition_penalty for p in params])
+    presence = column([p.presence_penalty for p in params])
+    frequency = column([p.frequency_penalty for p in params])
+    in_output = output_counts > 0
+    rows_t = torch.tensor(rows, device=device)
+    sub = logits[rows_t]  # [num_penalized, vocab_size]
+    repeated = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(in_output | (prompt_counts > 0), repeated, sub)
+    sub = sub - frequency * output_counts - presence * in_output.float()
+    logits = logits.clone()
+    logits[rows_t] = sub
+    return logits
+
+
+def _draw(logprobs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
+    """Token ids, greedy by default, overwritten for beam rows and sampled rows; columns
+    past a row's ``num_samples`` are padding.
+
+    Args:
+        logprobs: ``[num_seqs, vocab_size]`` scaled log-probabilities.
+    Returns:
+        ``[num_seqs, max_samples]`` long.
+    """
+    device = logprobs.device
+    max_samples = max(seq.num_samples for seq in seqs)
+    token_ids = logprobs.argmax(dim=-1, keepdim=True).repeat(1, max_samples)
+    params = _params(seqs)
+    beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
+    if beam_rows:
+        num_beams = max(seqs[i].num_samples for i in beam_rows)
+        beam_t = torch.tensor(beam_rows, device=device)
+        # Beam search runs at temperature 0, so these are the unscaled logprobs.
+        token_ids[beam_t, :num_beams] = logprobs[beam_t].topk(num_beams, dim=-1).indices
+    random_rows = [i for i, p in enumerate(params) if p.temperature > 0 and not p.use_beam_search]
+    if random_rows:
+        random_t = torch.tensor(random_rows, device=device)
+        random_seqs = [seqs[i] for i in random_rows]
+        probs = _truncated_probs(logprobs[random_t], _params(random_seqs))
+        rows = [i for i in random_rows for _ in range(seqs[i].num_samples)]
+        cols = [j for i in random_rows for j in range(seqs[i].num_samples)]
+        draws = _exponential_race(probs, random_seqs)  # [sum(num_samples)]
+        token_ids[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = draws
+    return token_ids
+
+
+def _truncated_probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Renormalised probabilities after top-k, then top-p over what top-k kept, then min-p.
+
+    The most likely token always survives. Every row takes the same ops whatever its
+    neighbours ask for, so a row's result never depends on the batch.
+
+    Args:
+        logprobs: ``[num_rows, vocab_size]`` scaled log-probabilities.
+    Returns:
+        ``[num_rows, vocab_size]``.
+    """
+    device, vocab_size = logprobs.device, logprobs.shape[1]
+    top_k = torch.tensor(
+        [p.top_k if p.top_k > 0 else vocab_size for p in params], device=device
+    ).unsqueeze(1)
+    # top_p 1.0 means off: a bound above any cumulative sum, rounding included.
+    top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=device)
+    drop_sorted = ranks >= top_k  # [num_rows, vocab_size]
+    sorted_probs = sorted_logprobs.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted |= mass_before >= top_p.unsqueeze(1)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+
+    probs = logprobs.exp()
+    drop |= probs < min_p * probs.max(dim=-1, keepdim=True).values
+    return logprobs.masked_fill(drop, float("-inf")).softmax(dim=-1)
+
+
+def _exponential_race(probs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
+    """Independent draws as ``argmax(probs / Exp(1) noise)``, one noise row per sample
+    (no padding to the widest row); a seeded row's noise comes from its own generator,
+    so its draws ignore every other row.
+
+    Args:
+        probs: ``[num_rows, vocab_size]``, row ``i`` for ``seqs[i]``.
+    Returns:
+        ``[sum(num_samples)]`` long, row 0's samples first.
+    """
+    vocab_size, device = probs.shape[1], probs.device
+    counts = [seq.num_samples for seq in seqs]
+    noise = torch.empty(sum(counts), vocab_size, device=device)
+    noise.exponential_()  # [total_samples, vocab_size], global RNG
+    start = 0
+    for seq, count in zip(seqs, counts, strict=True):
+        seed = seq.sampling_params.seed
+        if seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(derive_seed(seed, seq.sample_index, seq.context_len))
+            noise[start : start + count].exponential_(generator=generator)
+        start += count
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    sample_rows = torch.repeat_interleave(torch.tensor(counts, device=device))
+    return (probs[sample_rows] / noise).argmax(dim=-1)
+
+
+def derive_seed(seed: int, sample_index: int, position: int) -> int:
+    """A 63-bit generator seed fixed by the request seed, the sample and the position
+    drawn at, stable across processes and machines (unlike ``hash``)."""
+    key = f"{seed}:{sample_index}:{position}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _build_outputs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, seqs: list[SeqStep]
+) -> list[SeqOutput]:
+    """Gather chosen and top-k logprobs on the device, then cross to Python in one go.
+
+    Args:
+        logprobs: ``[num_seqs, vocab_size]``.
+        token_ids: ``[num_seqs, max_samples]``.
+    """
+    num_top = min(max(seq.sampling_params.logprobs or 0 for seq in seqs), logprobs.shape[1])
+    top = logprobs.topk(num_top, dim=-1)  # values, indices: [num_seqs, num_top]
+    chosen = logprobs.gather(1, token_ids).tolist()
+    ids, top_values, top_ids = token_ids.tolist(), top.values.tolist(), top.indices.tolist()
+    outputs = []
+    for i, seq in enumerate(seqs):
+        n, k = seq.num_samples, seq.sampling_params.logprobs or 0
+        alternatives = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+        outputs.append(
+            SeqOutput(
+                seq_id=seq.seq_id,
+                token_ids=ids[i][:n],
+                logprobs=chosen[i][:n],
+                top_logprobs=[dict(alternatives) for _ in range(n)] if k else [],
+            )
+        )
+    return outputs

@@ -1,0 +1,186 @@
+"""Typed KV-cache and paged-attention ops: CUDA kernels on GPU tensors, vectorised torch on CPU."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
+
+
+@functools.cache
+def cuda_extension() -> ModuleType:
+    """Compile (first call only; torch caches the build on disk) and import the CUDA kernels."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="pagedserve_kernels",
+        sources=[str(CSRC / name) for name in SOURCES],
+        extra_cuda_cflags=["-O3"],
+    )
+
+
+def reshape_and_cache(
+    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: Tensor,  # [num_tokens] int64; block_id * block_size + offset, -1 = skip
+) -> None:
+    """Write each token's K/V into its cache slot, in place; tokens with slot -1 are skipped."""
+    if key_cache.is_cuda:
+        cuda_extension().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        # A contiguous cache viewed as [num_slots, ...]: the slot is the row index.
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new[keep])
+
+
+def paged_attention_decode(
+    query: Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    context_lens: Tensor,  # [num_seqs] int32, >= 1, the new token included
+    scale: float,
+) -> Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
+    """Attention of one new token per sequence over its whole context, read from the paged cache.
+
+    The new token's K/V must already be in the cache. On GPU the cache is read in place; on CPU
+    each sequence's blocks are gathered into a padded batch with one index op.
+    """
+    group = _group_size(query, key_cache)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    if query.is_cuda:
+        return cuda_extension().paged_attention_decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale
+        )
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    keys, values = _gather_context(key_cache, value_cache, block_tables, context_lens)
+    # The `group` query heads of one kv head form the query rows of one attention problem,
+    # so each K/V row is used by all of them without being repeated.
+    q = query.reshape(num_seqs, num_kv_heads, group, head_dim)
+    positions = torch.arange(keys.shape[2], device=query.device)
+    mask = (positions < context_lens[:, None]).view(num_seqs, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_attention_prefill(
+    query: Tensor,  # [num_tokens, num_heads, head_dim], sequences concatenated
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative offsets into query
+    context_lens: Tensor,  # [num_seqs] int32, cached prefix + new tokens
+    scale: float,
+) -> Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    One sequence, context_len = 7, q_len = 3 (its K/V already written to the cache):
+
+        position   0 1 2 3 | 4 5 6
+                   cached    new: query rows 0..2, row i sees positions <= 7 - 3 + i
+
+    Sequences are padded to one batch with two index ops (context, queries) and one attention
+    call; the padded rows are dropped again at the end.
+    """
+    group = _group_size(query, key_cache)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    num_heads, head_dim = query.shape[1:]
+    num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
+    keys, values = _gather_context(key_cache, value_cache, block_tables, context_lens)
+    starts = query_start_loc[:-1].long()
+    q_lens = query_start_loc[1:].long() - starts
+    max_q = int(q_lens.max())
+    rows = torch.arange(max_q, device=query.device)
+    valid = rows < q_lens[:, None]  # [num_seqs, max_q]
+    q = query.index_select(0, torch.where(valid, starts[:, None] + rows, 0).flatten())
+    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    q_pos = (context_lens[:, None] - q_lens[:, None] + rows)[:, :, None]  # [num_seqs, max_q, 1]
+    positions = torch.arange(keys.shape[2], device=query.device)
+    # Padded rows attend everywhere so that they stay finite; they are dropped below.
+    allowed = (positions <= q_pos) | ~valid[:, :, None]  # [num_seqs, max_q, max_ctx]
+    mask = allowed[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, max_q, num_heads, head_dim)[valid]
+
+
+def copy_blocks(
+    key_caches: list[Tensor],  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches: list[Tensor],  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: Tensor,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Copy block src to dst in every layer's caches (copy-on-write), in place.
+
+    No block may be both a source and a destination in one mapping.
+    """
+    if not key_caches or block_mapping.numel() == 0:
+        return
+    device = key_caches[0].device
+    mapping = block_mapping.to(device=device, dtype=torch.int64)
+    if device.type == "cuda":
+        cuda_extension().copy_blocks(key_caches, value_caches, mapping.contiguous())
+        return
+    src, dst = mapping[:, 0], mapping[:, 1]
+    for cache in (*key_caches, *value_caches):
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def swap_blocks(
+    src: Tensor,  # [num_blocks, ...] one cache tensor
+    dst: Tensor,  # [num_blocks, ...] same block shape and dtype, possibly on another device
+    block_mapping: Tensor,  # [num_pairs, 2] int64 (src_block, dst_block)
+) -> None:
+    """Copy blocks between two cache tensors (GPU <-> CPU swap) as one batched copy, in place."""
+    if block_mapping.numel() == 0:
+        return
+    src_ids = block_mapping[:, 0].to(device=src.device, dtype=torch.int64)
+    dst_ids = block_mapping[:, 1].to(device=dst.device, dtype=torch.int64)
+    dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(dst.device))
+
+
+def _group_size(
+    query: Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+) -> int:
+    """Query heads per kv head; raises ValueError when the shapes cannot be paired."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads or key_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} kv heads "
+            f"of size {key_cache.shape[3]}"
+        )
+    return num_heads // num_kv_heads
+
+
+def _gather_context(
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    context_lens: Tensor,  # [num_seqs] int32
+) -> tuple[Tensor, Tensor]:  # 2 x [num_seqs, num_kv_heads, max_ctx, head_dim]
+    """Each sequence's first blocks laid out contiguously (one index op per cache), padded."""
+    num_seqs, block_size = block_tables.shape[0], key_cache.shape[1]
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    ids = block_tables[:, :num_blocks].flatten().long()
+    # index_select rather than cache[ids]: several times faster on CPU for whole blocks
+    keys, values = (
+        cache.index_select(0, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
+        for cache in (key_cache, value_cache)
+    )
+    return keys.transpose(1, 2), values.transpose(1, 2)

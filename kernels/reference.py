@@ -1,0 +1,118 @@
+"""Naive, loop-per-token reference versions of kernels.ops, computed in float64 (tests only)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def reshape_and_cache(
+    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Write token i's K/V at (slot // block_size, slot % block_size), one token at a time."""
+    block_size = key_cache.shape[1]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block_id, offset = divmod(slot, block_size)
+        key_cache[block_id, offset] = key[token]
+        value_cache[block_id, offset] = value[token]
+
+
+def _context(
+    cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: list[int],
+    context_len: int,
+) -> Tensor:  # [context_len, num_kv_heads, head_dim] float64
+    """Positions 0..context_len-1 of one sequence, read token by token through its block table."""
+    block_size = cache.shape[1]
+    rows = [cache[block_table[pos // block_size], pos % block_size] for pos in range(context_len)]
+    return torch.stack(rows).double()
+
+
+def _attend(
+    query: Tensor,  # [num_heads, head_dim]
+    keys: Tensor,  # [n, num_kv_heads, head_dim]
+    values: Tensor,  # [n, num_kv_heads, head_dim]
+    scale: float,
+) -> Tensor:  # [num_heads, head_dim] float64
+    """Softmax attention of each query head over all n positions of its kv head."""
+    num_heads, num_kv_heads = query.shape[0], keys.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
+    for head in range(num_heads):
+        k, v = keys[:, head // group], values[:, head // group]
+        scores = (k @ query[head].double()) * scale
+        probs = torch.exp(scores - scores.max())
+        out[head] = (probs / probs.sum()) @ v
+    return out
+
+
+def paged_attention_decode(
+    query: Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    context_lens: Tensor,  # [num_seqs] int32
+    scale: float,
+) -> Tensor:  # [num_seqs, num_heads, head_dim]
+    """The new token of each sequence attends to all context_len positions."""
+    out = torch.empty_like(query)
+    for seq, (table, context_len) in enumerate(
+        zip(block_tables.tolist(), context_lens.tolist(), strict=True)
+    ):
+        keys = _context(key_cache, table, context_len)
+        values = _context(value_cache, table, context_len)
+        out[seq] = _attend(query[seq], keys, values, scale).to(query.dtype)
+    return out
+
+
+def paged_attention_prefill(
+    query: Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    query_start_loc: Tensor,  # [num_seqs + 1] int32
+    context_lens: Tensor,  # [num_seqs] int32
+    scale: float,
+) -> Tensor:  # [num_tokens, num_heads, head_dim]
+    """New token i of a sequence (position context_len - q_len + i) sees positions <= its own."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for seq, (table, context_len) in enumerate(
+        zip(block_tables.tolist(), context_lens.tolist(), strict=True)
+    ):
+        keys = _context(key_cache, table, context_len)
+        values = _context(value_cache, table, context_len)
+        q_len = starts[seq + 1] - starts[seq]
+        for i in range(q_len):
+            pos = context_len - q_len + i
+            token = starts[seq] + i
+            attended = _attend(query[token], keys[: pos + 1], values[: pos + 1], scale)
+            out[token] = attended.to(query.dtype)
+    return out
+
+
+def copy_blocks(
+    key_caches: list[Tensor],  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches: list[Tensor],  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: Tensor,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Copy each (src, dst) pair in each cache, one block at a time."""
+    for src, dst in block_mapping.tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst].copy_(cache[src])
+
+
+def swap_blocks(
+    src: Tensor,  # [num_blocks, ...]
+    dst: Tensor,  # [num_blocks, ...]
+    block_mapping: Tensor,  # [num_pairs, 2] int64 (src_block, dst_block)
+) -> None:
+    """Copy each (src_block, dst_block) pair across tensors, one block at a time."""
+    for src_block, dst_block in block_mapping.tolist():
+        dst[dst_block].copy_(src[src_block])

