@@ -1,0 +1,214 @@
+"""The scheduler's persisted state: one atomic commit per engine step, and a reload after restart.
+
+Values are opaque JSON strings written by the engine; a store never parses them. Two
+implementations: `InMemoryStateStore` (embedded default, here) and `RedisStateStore`
+(`scheduler_svc/redis_store.py`).
+
+Rules shared by both stores:
+
+* Fencing: `begin_epoch()` makes a new leader. A commit from an older epoch raises
+  `StaleEpochError`; one from a newer epoch than the store's is a caller bug (`ValueError`).
+* Retries: commits are ordered by `(epoch, commit_id)`. A commit at or below the last applied
+  one in the same epoch is a retry: ignored, `commit()` returns False. A new leader may restart
+  its ids at 1 or continue from `load().last_commit_id`.
+* Inside a commit the order is: meta, group upserts, group deletes, pending step, events,
+  consumed submissions.
+* A submitted record lives while its request is queued, has a group, or has events; the
+  commit or `delete_events` that ends the last of these drops it (its id may then be reused).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class StaleEpochError(RuntimeError):
+    """A commit from an epoch older than the store's: a fenced-off old leader."""
+
+
+@dataclass(slots=True)
+class StepCommit:
+    """Everything one engine step changes, applied by `StateStore.commit` all or nothing."""
+
+    epoch: int  # fencing token of the writer (from begin_epoch)
+    commit_id: int  # strictly increasing per writer within an epoch
+    meta: dict[str, str] = field(default_factory=dict)  # engine facts to upsert
+    upsert_groups: dict[str, str] = field(default_factory=dict)  # request_id -> group JSON
+    delete_groups: list[str] = field(default_factory=list)  # finished request ids
+    pending_step: str | None = None  # step JSON sent to the executor, result not yet applied
+    clear_pending_step: bool = False
+    events: list[tuple[str, str]] = field(default_factory=list)  # (request_id, event JSON)
+    new_requests_consumed: list[str] = field(default_factory=list)  # taken from the queue
+
+    def __post_init__(self) -> None:
+        if self.pending_step is not None and self.clear_pending_step:
+            raise ValueError("set pending_step or clear_pending_step, not both")
+
+    def touched_requests(self) -> list[str]:
+        """Request ids whose events or submitted record this commit may change, first seen first."""
+        ids = [rid for rid, _ in self.events] + self.delete_groups + self.new_requests_consumed
+        return list(dict.fromkeys(ids))
+
+
+@dataclass(slots=True)
+class StoredState:
+    """What a restarted leader reloads."""
+
+    epoch: int
+    last_commit_id: int  # id of the last applied commit (whatever its epoch)
+    meta: dict[str, str]
+    groups: dict[str, str]  # request_id -> group JSON
+    pending_step: str | None
+
+
+class StateStore(Protocol):
+    """The scheduler's source of truth; see the module docstring for the shared rules."""
+
+    def ping(self) -> bool:
+        """True when the store answers (health checks)."""
+        ...
+
+    def begin_epoch(self) -> int:
+        """Increment and return the epoch, fencing off every older writer."""
+        ...
+
+    def current_epoch(self) -> int: ...
+
+    def load(self) -> StoredState:
+        """One consistent snapshot of everything needed to resume."""
+        ...
+
+    def commit(self, commit: StepCommit) -> bool:
+        """Apply one step atomically; False when ignored as a retry. Raises StaleEpochError."""
+        ...
+
+    def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
+        """Events of a request with index > after (indices 1, 2, 3 ...), in order."""
+        ...
+
+    def delete_events(self, request_id: str) -> None:
+        """Drop a request's output stream (and its record when its group is gone too)."""
+        ...
+
+    def submit_request(self, request_id: str, record: str) -> bool:
+        """Queue a validated request; False when the request id already exists."""
+        ...
+
+    def pending_requests(self) -> list[tuple[str, str]]:
+        """Submitted, not yet consumed requests as (request_id, record), in submission order."""
+        ...
+
+    def get_request(self, request_id: str) -> str | None: ...
+
+
+def check_epoch(commit_epoch: int, store_epoch: int) -> None:
+    """Raise unless a commit's epoch is the store's current one."""
+    if commit_epoch < store_epoch:
+        raise StaleEpochError(f"commit from epoch {commit_epoch}, store is at {store_epoch}")
+    if commit_epoch > store_epoch:
+        raise ValueError(
+            f"commit from epoch {commit_epoch} but the store is at {store_epoch}: "
+            "call begin_epoch() first (or the store lost its state)"
+        )
+
+
+class InMemoryStateStore:
+    """Dicts and lists under one lock: the embedded default; lost when the process exits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._last_commit = (0, 0)  # (epoch, commit_id) of the last applied commit
+        self._meta: dict[str, str] = {}
+        self._groups: dict[str, str] = {}
+        self._pending_step: str | None = None
+        self._events: dict[str, list[str]] = {}
+        self._records: dict[str, str] = {}
+        self._queue: dict[str, None] = {}  # an ordered set of request ids
+
+    def ping(self) -> bool:
+        return True
+
+    def begin_epoch(self) -> int:
+        """Increment the epoch; commits from older epochs are refused from now on."""
+        with self._lock:
+            self._epoch += 1
+            return self._epoch
+
+    def current_epoch(self) -> int:
+        with self._lock:
+            return self._epoch
+
+    def load(self) -> StoredState:
+        with self._lock:
+            return StoredState(
+                epoch=self._epoch,
+                last_commit_id=self._last_commit[1],
+                meta=dict(self._meta),
+                groups=dict(self._groups),
+                pending_step=self._pending_step,
+            )
+
+    def commit(self, commit: StepCommit) -> bool:
+        """Apply meta, groups, pending step, events and consumption under the lock.
+
+        Every check runs before the first mutation, so a refused commit changes nothing.
+        """
+        with self._lock:
+            check_epoch(commit.epoch, self._epoch)
+            if (commit.epoch, commit.commit_id) <= self._last_commit:
+                return False
+            self._last_commit = (commit.epoch, commit.commit_id)
+            self._meta.update(commit.meta)
+            self._groups.update(commit.upsert_groups)
+            for rid in commit.delete_groups:
+                self._groups.pop(rid, None)
+            if commit.pending_step is not None:
+                self._pending_step = commit.pending_step
+            elif commit.clear_pending_step:
+                self._pending_step = None
+            for rid, event in commit.events:
+                self._events.setdefault(rid, []).append(event)
+            for rid in commit.new_requests_consumed:
+                self._queue.pop(rid, None)
+            for rid in dict.fromkeys(commit.delete_groups + commit.new_requests_consumed):
+                self._release_if_unused(rid)
+            return True
+
+    def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
+        with self._lock:
+            events = self._events.get(request_id, [])
+            start = max(after, 0)
+            return list(enumerate(events[start:], start=start + 1))
+
+    def delete_events(self, request_id: str) -> None:
+        """Drop the output stream; drop the record too when nothing else refers to it."""
+        with self._lock:
+            self._events.pop(request_id, None)
+            self._release_if_unused(request_id)
+
+    def submit_request(self, request_id: str, record: str) -> bool:
+        """Store the record and queue its id, unless the id is already known."""
+        with self._lock:
+            if request_id in self._records:
+                return False
+            self._records[request_id] = record
+            self._queue[request_id] = None
+            return True
+
+    def pending_requests(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(rid, self._records[rid]) for rid in self._queue]
+
+    def get_request(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._records.get(request_id)
+
+    def _release_if_unused(self, request_id: str) -> None:
+        in_use = (
+            request_id in self._queue or request_id in self._groups or request_id in self._events
+        )
+        if not in_use:
+            self._records.pop(request_id, None)

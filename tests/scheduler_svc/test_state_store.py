@@ -1,0 +1,332 @@
+"""One suite for both StateStores: the in-process one and the one on a real redis-server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from scheduler_svc.redis_store import RedisStateStore
+from scheduler_svc.state_store import (
+    InMemoryStateStore,
+    StaleEpochError,
+    StateStore,
+    StepCommit,
+)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _redis_client() -> redis.Redis:
+    """A client that answers, or a failed test saying why: CI starts redis-server itself."""
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.ConnectionError as err:
+        pytest.fail(
+            f"no redis-server answers on {REDIS_URL} ({err}); start one with "
+            "`redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no`"
+        )
+    return client
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A fresh Redis namespace per test, its keys deleted afterwards."""
+    _redis_client().close()  # fail here, in setup, when no server answers
+    ns = f"test-{uuid.uuid4().hex}"
+    yield ns
+    _delete_namespace(ns)
+
+
+def _delete_namespace(namespace: str) -> None:
+    client = _redis_client()
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def _redis_store(namespace: str) -> RedisStateStore:
+    return RedisStateStore(REDIS_URL, namespace=namespace)
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> StateStore:
+    if request.param == "memory":
+        return InMemoryStateStore()
+    return _redis_store(request.getfixturevalue("namespace"))
+
+
+def ev(i: int) -> str:
+    return json.dumps({"index": i, "text": f"tok{i}"})
+
+
+def test_empty_load(store: StateStore) -> None:
+    state = store.load()
+    assert (state.epoch, state.last_commit_id, state.meta, state.groups) == (0, 0, {}, {})
+    assert state.pending_step is None
+    assert store.current_epoch() == 0
+    assert store.ping()
+    assert store.read_events("nope") == []
+    assert store.pending_requests() == []
+    assert store.get_request("nope") is None
+
+
+def test_begin_epoch_increments(store: StateStore) -> None:
+    assert [store.begin_epoch(), store.begin_epoch(), store.begin_epoch()] == [1, 2, 3]
+    assert store.current_epoch() == 3
+    assert store.load().epoch == 3
+
+
+def test_commit_round_trip(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    odd = 'ünï "cödé" \\ \n \u0000 🦙'  # what cjson has to carry through untouched
+    assert store.commit(
+        StepCommit(
+            epoch,
+            1,
+            meta={"step_id": "1", "next_seq_id": "3"},
+            upsert_groups={"a": '{"seqs": [0]}', "b": '{"seqs": [1, 2]}'},
+            pending_step='{"step_id": 1}',
+            events=[("a", ev(1)), ("b", ev(1)), ("a", ev(2)), ("a", odd)],
+        )
+    )
+    state = store.load()
+    assert (state.epoch, state.last_commit_id) == (epoch, 1)
+    assert state.meta == {"step_id": "1", "next_seq_id": "3"}
+    assert state.groups == {"a": '{"seqs": [0]}', "b": '{"seqs": [1, 2]}'}
+    assert state.pending_step == '{"step_id": 1}'
+    assert store.read_events("a") == [(1, ev(1)), (2, ev(2)), (3, odd)]
+    assert store.read_events("b") == [(1, ev(1))]
+
+    assert store.commit(
+        StepCommit(
+            epoch,
+            2,
+            meta={"step_id": "2"},
+            upsert_groups={"b": '{"seqs": [2]}'},
+            delete_groups=["a"],
+            clear_pending_step=True,
+            events=[("a", ev(3))],
+        )
+    )
+    state = store.load()
+    assert state.last_commit_id == 2
+    assert state.meta == {"step_id": "2", "next_seq_id": "3"}
+    assert state.groups == {"b": '{"seqs": [2]}'}
+    assert state.pending_step is None
+    assert [i for i, _ in store.read_events("a")] == [1, 2, 3, 4]
+
+
+def test_pending_step_and_clear_together_is_a_caller_error() -> None:
+    with pytest.raises(ValueError):
+        StepCommit(1, 1, pending_step="{}", clear_pending_step=True)
+
+
+def test_retried_commit_is_applied_once(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    commit = StepCommit(epoch, 7, meta={"step_id": "7"}, events=[("r", ev(1))])
+    assert store.commit(commit)
+    assert not store.commit(commit)
+    assert not store.commit(StepCommit(epoch, 6, meta={"step_id": "6"}, events=[("r", ev(9))]))
+    assert store.read_events("r") == [(1, ev(1))]
+    assert store.load().meta == {"step_id": "7"}
+    assert store.load().last_commit_id == 7
+
+
+def test_stale_epoch_raises_and_changes_nothing(store: StateStore) -> None:
+    old = store.begin_epoch()
+    assert store.commit(StepCommit(old, 1, meta={"leader": "old"}, events=[("r", ev(1))]))
+    new = store.begin_epoch()
+    before = store.load()
+    with pytest.raises(StaleEpochError):
+        store.commit(
+            StepCommit(
+                old,
+                2,
+                meta={"leader": "old"},
+                upsert_groups={"x": "{}"},
+                delete_groups=["r"],
+                pending_step="{}",
+                events=[("r", ev(2))],
+            )
+        )
+    assert store.load() == before
+    assert store.read_events("r") == [(1, ev(1))]
+    # The new leader may restart its ids: (epoch, commit_id) is what orders commits.
+    assert store.commit(StepCommit(new, 1, meta={"leader": "new"}))
+    with pytest.raises(StaleEpochError):
+        store.commit(StepCommit(old, 99, meta={"leader": "old"}))
+    assert store.load().meta == {"leader": "new"}
+    assert store.load().last_commit_id == 1
+
+
+def test_commit_from_a_future_epoch_is_refused(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    with pytest.raises(ValueError, match="begin_epoch"):
+        store.commit(StepCommit(epoch + 1, 1, meta={"x": "1"}))
+    assert store.load().meta == {}
+
+
+def test_read_events_after(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    store.commit(StepCommit(epoch, 1, events=[("r", ev(i)) for i in range(1, 6)]))
+    assert store.read_events("r", after=3) == [(4, ev(4)), (5, ev(5))]
+    assert store.read_events("r", after=5) == []
+    assert store.read_events("r", after=0) == store.read_events("r")
+    store.commit(StepCommit(epoch, 2, events=[("r", ev(6))]))
+    assert store.read_events("r", after=5) == [(6, ev(6))]
+
+
+def test_submit_is_idempotent_and_queued_in_order(store: StateStore) -> None:
+    assert store.submit_request("r1", '{"prompt": "a"}')
+    assert store.submit_request("r2", '{"prompt": "b"}')
+    assert not store.submit_request("r1", '{"prompt": "other"}')
+    assert store.submit_request("r3", '{"prompt": "c"}')
+    assert store.pending_requests() == [
+        ("r1", '{"prompt": "a"}'),
+        ("r2", '{"prompt": "b"}'),
+        ("r3", '{"prompt": "c"}'),
+    ]
+    assert store.get_request("r1") == '{"prompt": "a"}'
+
+
+def test_request_lifecycle_through_commits(store: StateStore) -> None:
+    for rid in ("r1", "r2", "r3"):
+        assert store.submit_request(rid, f'{{"id": "{rid}"}}')
+    epoch = store.begin_epoch()
+    store.commit(StepCommit(epoch, 1, upsert_groups={"r2": "{}"}, new_requests_consumed=["r2"]))
+    assert [rid for rid, _ in store.pending_requests()] == ["r1", "r3"]
+    assert not store.submit_request("r2", "{}")  # running
+    assert store.get_request("r2") == '{"id": "r2"}'
+
+    store.commit(StepCommit(epoch, 2, delete_groups=["r2"], events=[("r2", ev(1))]))
+    assert not store.submit_request("r2", "{}")  # finished, its events still unread
+    assert store.get_request("r2") == '{"id": "r2"}'
+    store.delete_events("r2")
+    assert store.read_events("r2") == []
+    assert store.get_request("r2") is None
+    assert store.submit_request("r2", '{"again": true}')  # gone: the id may be reused
+
+    store.delete_events("r1")  # still queued: the record stays
+    assert store.get_request("r1") == '{"id": "r1"}'
+    assert [rid for rid, _ in store.pending_requests()] == ["r1", "r3", "r2"]
+
+
+def test_delete_events_keeps_a_running_request(store: StateStore) -> None:
+    store.submit_request("r", "{}")
+    epoch = store.begin_epoch()
+    store.commit(
+        StepCommit(
+            epoch, 1, upsert_groups={"r": "{}"}, new_requests_consumed=["r"], events=[("r", ev(1))]
+        )
+    )
+    store.delete_events("r")
+    assert store.read_events("r") == []
+    assert store.get_request("r") == "{}"
+    assert store.load().groups == {"r": "{}"}
+
+
+def test_concurrent_commits_stay_consistent(store: StateStore) -> None:
+    """Two writers draw ids from one counter; some land out of order and are ignored as retries.
+
+    Whatever interleaving happens, every commit is all or nothing.
+    """
+    epoch = store.begin_epoch()
+    ids = itertools.count(1)
+    applied: dict[str, list[int]] = {"t0": [], "t1": []}
+
+    def writer(name: str) -> None:
+        for _ in range(150):
+            i = next(ids)
+            commit = StepCommit(
+                epoch, i, meta={"step_id": str(i)}, upsert_groups={f"g{i}": name},
+                events=[(name, ev(i))],
+            )  # fmt: skip
+            if store.commit(commit):
+                applied[name].append(i)
+
+    threads = [threading.Thread(target=writer, args=(name,)) for name in applied]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    everything = sorted(applied["t0"] + applied["t1"])
+    state = store.load()
+    assert everything and state.last_commit_id == everything[-1]
+    assert state.meta == {"step_id": str(everything[-1])}
+    assert state.groups == {f"g{i}": name for name, got in applied.items() for i in got}
+    for name, got in applied.items():
+        assert store.read_events(name) == [(n, ev(i)) for n, i in enumerate(got, start=1)]
+
+
+@pytest.mark.redis
+def test_redis_namespaces_are_isolated(namespace: str) -> None:
+    other_ns = f"{namespace}-other"
+    store, other = _redis_store(namespace), _redis_store(other_ns)
+    try:
+        store.submit_request("r", "{}")
+        epoch = store.begin_epoch()
+        store.commit(StepCommit(epoch, 1, meta={"k": "v"}, events=[("r", ev(1))]))
+        assert other.current_epoch() == 0
+        assert other.load().meta == {}
+        assert other.read_events("r") == []
+        assert other.pending_requests() == []
+        assert other.submit_request("r", "{}")
+        client = _redis_client()
+        assert all(key.startswith(f"{namespace}:") for key in client.scan_iter(f"{namespace}:*"))
+        assert client.exists(f"{namespace}:meta", f"{namespace}:events:r") == 2
+    finally:
+        _delete_namespace(other_ns)
+
+
+@pytest.mark.redis
+def test_redis_second_store_sees_the_first_ones_state(namespace: str) -> None:
+    """What a scheduler restarted after kill -9 sees: everything committed, nothing else."""
+    first = _redis_store(namespace)
+    first.submit_request("r1", '{"p": 1}')
+    first.submit_request("r2", '{"p": 2}')
+    epoch = first.begin_epoch()
+    first.commit(
+        StepCommit(
+            epoch,
+            5,
+            meta={"step_id": "5"},
+            upsert_groups={"r1": '{"g": 1}'},
+            pending_step='{"step_id": 5}',
+            events=[("r1", ev(1))],
+            new_requests_consumed=["r1"],
+        )
+    )
+    restarted = _redis_store(namespace)
+    state = restarted.load()
+    assert (state.epoch, state.last_commit_id) == (epoch, 5)
+    assert state.meta == {"step_id": "5"}
+    assert state.groups == {"r1": '{"g": 1}'}
+    assert state.pending_step == '{"step_id": 5}'
+    assert restarted.read_events("r1") == [(1, ev(1))]
+    assert restarted.pending_requests() == [("r2", '{"p": 2}')]
+    assert restarted.get_request("r1") == '{"p": 1}'
+    new_epoch = restarted.begin_epoch()
+    assert restarted.commit(StepCommit(new_epoch, 1, clear_pending_step=True))
+    with pytest.raises(StaleEpochError):
+        first.commit(StepCommit(epoch, 6, meta={"step_id": "6"}))
+    assert first.load().pending_step is None
+
+
+@pytest.mark.redis
+def test_redis_finished_request_keys_expire(namespace: str) -> None:
+    store = _redis_store(namespace)
+    store.submit_request("r", "{}")
+    epoch = store.begin_epoch()
+    store.commit(StepCommit(epoch, 1, upsert_groups={"r": "{}"}, new_requests_consumed=["r"]))
+    store.commit(StepCommit(epoch, 2, delete_groups=["r"], events=[("r", ev(1))]))
+    client = _redis_client()
+    for key in (f"{namespace}:events:r", f"{namespace}:request:r"):
+        assert 0 < client.pttl(key) <= 3600 * 1000
