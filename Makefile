@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	@echo "make serve: the executor and scheduler services are not built yet (README, Status)" >&2
-	@exit 1
+	$(VENV)/bin/pagedserve serve
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kernels import ops
 from torch import nn
+
+from kernels import ops
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kernels import ops
 
+from kernels import ops
 from pagedserve.step import BlockPairs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]

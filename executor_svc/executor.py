@@ -7,7 +7,8 @@ import torch
 from executor_svc.cache_engine import CacheEngine, CacheShape
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler
-from executor_svc.weights import load_config, load_model, resolve_model
+from executor_svc.weights import load_model
+from pagedserve.model_files import load_config, resolve_model
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import ExecutorConfig
 from pagedserve.step import ExecuteStep, StepResult

@@ -20,7 +20,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help='JSON lines: {"prompt": ..., "chat": bool} or {"prompt_token_ids": [...]}, '
         'optionally "max_tokens"',
     )
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -29,14 +28,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=1, help="completions returned per prompt")
     p.add_argument("--beam-width", type=int, default=None, help="beam search with this width")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--swap-space", type=float, default=1.0, help="GiB")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--json", action="store_true", help="one JSON line per request")
+    _add_executor_flags(p)
+    _add_engine_flags(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -82,20 +76,14 @@ def _read_requests(args: argparse.Namespace) -> list:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve.offline import OfflineLLM
-    from pagedserve.settings import ExecutorConfig, PreemptionMode
+    from pagedserve.settings import PreemptionMode
 
     requests = _read_requests(args)
     llm = OfflineLLM(
-        ExecutorConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_gpu_blocks=args.num_gpu_blocks,
-            swap_space=args.swap_space,
-        ),
+        _executor_config(args),
         preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
     )
     for result in llm.generate(requests):
         if args.json:
@@ -114,11 +102,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_executor(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("executor", help="serve the model and the paged KV cache over gRPC")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+def _add_executor_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="SmolLM2-135M-Instruct",
+        help="default model name, checkpoint directory or .gguf file",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
@@ -126,16 +115,12 @@ def _add_executor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.set_defaults(func=_run_executor)
 
 
-def _run_executor(args: argparse.Namespace) -> int:
-    from executor_svc.server import serve
-    from pagedserve.log import configure_logging
+def _executor_config(args: argparse.Namespace):  # -> ExecutorConfig, imported lazily
     from pagedserve.settings import ExecutorConfig
 
-    configure_logging()
-    config = ExecutorConfig(
+    return ExecutorConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
@@ -145,7 +130,106 @@ def _run_executor(args: argparse.Namespace) -> int:
         swap_space=args.swap_space,
         max_model_len=args.max_model_len,
     )
-    return serve(config, host=args.host, port=args.port)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    p.add_argument("--enable-prefix-caching", action="store_true")
+
+
+def _add_executor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("executor", help="serve the model and the paged KV cache over gRPC")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051)
+    _add_executor_flags(p)
+    p.set_defaults(func=_run_executor)
+
+
+def _run_executor(args: argparse.Namespace) -> int:
+    from executor_svc.server import serve
+    from pagedserve.log import configure_logging
+
+    configure_logging()
+    return serve(_executor_config(args), host=args.host, port=args.port)
+
+
+def _add_api_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    _add_engine_flags(p)
+
+
+def _add_scheduler(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scheduler", help="run the engine loop and the OpenAI-compatible API")
+    p.add_argument("--executor", default="127.0.0.1:50051", help="executor HOST:PORT")
+    p.add_argument("--tokenizer", default=None, help="default: the executor's model")
+    _add_api_flags(p)
+    p.set_defaults(func=_run_scheduler)
+
+
+def _scheduler_options(args: argparse.Namespace, executor: str):
+    from pagedserve.settings import PreemptionMode
+    from scheduler_svc.service import SchedulerOptions
+
+    return SchedulerOptions(
+        executor=executor,
+        tokenizer=getattr(args, "tokenizer", None),
+        max_num_seqs=args.max_num_seqs,
+        preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def _run_scheduler(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedserve.log import configure_logging
+    from pagedserve.settings import ApiConfig
+    from scheduler_svc.service import serve
+
+    configure_logging()
+    api = ApiConfig(host=args.host, port=args.port, api_key=args.api_key)
+    asyncio.run(serve(_scheduler_options(args, args.executor), api))
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="executor and scheduler together on this machine")
+    p.add_argument("--executor-port", type=int, default=50051)
+    _add_api_flags(p)
+    _add_executor_flags(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """Start the executor as a child process, then the scheduler here; stop both together."""
+    import subprocess
+
+    flags = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(_executor_config(args)).items()
+        if v is not None and k != "seed"
+    ]
+    executor = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedserve.cli",
+            "executor",
+            "--port",
+            str(args.executor_port),
+            *flags,
+        ]
+    )
+    try:
+        return _run_scheduler(
+            argparse.Namespace(**vars(args), executor=f"127.0.0.1:{args.executor_port}")
+        )
+    finally:
+        executor.terminate()
+        executor.wait(timeout=30)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_executor(sub)
+    _add_scheduler(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -52,7 +52,7 @@ class OfflineLLM:
         max_num_batched_tokens: int | None = None,
     ) -> None:
         from executor_svc.executor import Executor
-        from executor_svc.weights import load_tokenizer
+        from pagedserve.model_files import load_tokenizer
         from scheduler_svc.engine import LLMEngine
 
         self.executor = Executor(executor_config)
@@ -98,7 +98,7 @@ class OfflineLLM:
             total=len(groups), desc="generating", unit="req", file=sys.stderr, disable=not progress
         ) as bar:
             while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+                bar.update(len(self.engine.step().finished))
         return [self._result(group) for group in groups]
 
     def _decode(self, token_ids: list[int]) -> str:

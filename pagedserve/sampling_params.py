@@ -23,6 +23,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, cut from the returned text
     seed: int | None = None
     logprobs: int | None = None
     length_penalty: float = 1.0

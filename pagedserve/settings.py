@@ -101,3 +101,23 @@ class ExecutorConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The HTTP front door: address, authentication and the limits checked per request."""
+
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
+    port: int = field(default=8000, metadata=_help("HTTP port"))
+    api_key: str | None = field(
+        default=None, metadata=_help("when set, every route but /health requires it")
+    )
+    max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
+    max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))
+    max_body_bytes: int = field(default=4 << 20, metadata=_help("largest request body"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_n < 1 or self.max_logprobs < 0 or self.max_body_bytes < 1:
+            raise ValueError("max_n >= 1, max_logprobs >= 0 and max_body_bytes >= 1 required")

@@ -71,6 +71,18 @@ class BlockAllocator:
         self.ref_counts[block_id] = 1
         return block_id
 
+    def claim(self, block_id: BlockId) -> None:
+        """Add a holder to a specific block, taking it from the free list if need be.
+
+        Only for rebuilding the pools from persisted block tables after a restart.
+        """
+        if self.ref_counts[block_id] == 0 and block_id not in self._evictable:
+            self._free.remove(block_id)
+            heapq.heapify(self._free)
+            self.ref_counts[block_id] = 1
+        else:
+            self.incref(block_id)
+
     def incref(self, block_id: BlockId) -> None:
         """Add a holder; revives a cached-idle block."""
         if self.ref_counts[block_id] == 0:

@@ -188,6 +188,26 @@ class BlockManager:
         del self._hashes[seq.seq_id]
         self._swapped.discard(seq.seq_id)
 
+    def num_slots(self, seq: Sequence) -> int:
+        """Token slots the sequence's table maps (persisted with the table)."""
+        return self._num_slots[seq.seq_id]
+
+    def restore(
+        self, seq: Sequence, block_table: list[BlockId], num_slots: int, on_cpu: bool
+    ) -> None:
+        """Re-create a persisted table after a restart; reference counts are derived
+        from the tables, never loaded. Mutates the pool the table lives in."""
+        pool = self.cpu if on_cpu else self.gpu
+        for block_id in block_table:
+            pool.claim(block_id)
+        self.block_tables[seq.seq_id] = list(block_table)
+        self._num_slots[seq.seq_id] = num_slots
+        self._hashes[seq.seq_id] = []
+        if on_cpu:
+            self._swapped.add(seq.seq_id)
+        else:
+            self._register_full_blocks(seq, 0)
+
     # -- swapping --------------------------------------------------------------------
 
     def can_swap_out(self, group: SequenceGroup) -> bool:

@@ -12,6 +12,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.detokenizer import Detokenizer, find_stop
 from scheduler_svc.output_processor import OutputProcessor, num_samples
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -26,6 +27,15 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
     num_generation_tokens: int = 0
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one step changed: the groups it ran and those that ended (done or refused)."""
+
+    groups: list[SequenceGroup] = field(default_factory=list)
+    finished: list[SequenceGroup] = field(default_factory=list)
+    text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
 
 
 class StepExecutor(Protocol):
@@ -43,8 +53,10 @@ class LLMEngine:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         eos_token_id: int | None,
+        detokenizer: Detokenizer | None = None,
     ) -> None:
         self.executor = executor
+        self.detokenizer = detokenizer
         self.scheduler = Scheduler(scheduler_config, BlockManager.from_config(cache_config))
         self._seq_ids: Iterator[int] = itertools.count()
         self.processor = OutputProcessor(self.scheduler, eos_token_id, self._seq_ids)
@@ -72,16 +84,41 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[SequenceGroup]:
-        """Run one step. Returns the groups that finished (or were refused) in it."""
+    def step(self) -> StepOutcome:
+        """Run one step: schedule, execute, append tokens, detokenize, stop."""
         out = self.scheduler.schedule()
+        outcome = StepOutcome(finished=list(out.ignored))
         if out.is_empty:
-            return out.ignored
+            return outcome
         step = self._build_step(out)
         result = self.executor.execute(step)
         self._count(out, step)
         samples = {o.seq_id: o for o in result.outputs}
-        return out.ignored + self.processor.process(out, samples)
+        outcome.finished += self.processor.process(out, samples)
+        outcome.groups = [s.group for s in out.scheduled]
+        if self.detokenizer is not None:
+            self._detokenize(outcome)
+        return outcome
+
+    def _detokenize(self, outcome: StepOutcome) -> None:
+        """Extend each sequence's text; a completed stop string ends the sequence there."""
+        stopped = False
+        for group in outcome.groups:
+            stop = group.sampling_params.stop
+            for seq in group.seqs:
+                if seq.read_offset == len(seq.output_token_ids):
+                    continue
+                delta = self.detokenizer.update(seq)
+                cut = find_stop(seq.output_text, len(delta), stop) if stop and delta else None
+                if cut is not None:
+                    delta = delta[: max(0, len(delta) - (len(seq.output_text) - cut))]
+                    seq.output_text = seq.output_text[:cut]
+                    if not seq.status.is_finished:
+                        self.processor.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                        stopped = True
+                outcome.text_deltas[seq.seq_id] = delta
+        if stopped:
+            outcome.finished += self.scheduler.free_finished()
 
     def _count(self, out: SchedulerOutput, step: ExecuteStep) -> None:
         stats = self.stats

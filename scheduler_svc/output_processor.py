@@ -114,7 +114,7 @@ class OutputProcessor:
         finished = [s for s in group.seqs if s.status.is_finished]
         if running and len(running[0].output_token_ids) >= params.max_tokens:
             for seq in running:
-                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
         elif running and len(finished) >= params.width:
             worst = min(beam_score(s, params.length_penalty) for s in finished)
             best = max(beam_score(s, params.length_penalty) for s in running)
@@ -148,18 +148,19 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         params = group.sampling_params
         if self._is_stop_token(seq.output_token_ids[-1], params.ignore_eos, params.stop_token_ids):
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            self.finish(seq, SequenceStatus.FINISHED_STOPPED)
         elif (
             len(seq.output_token_ids) >= params.max_tokens
             or seq.get_len() >= self.scheduler.config.max_model_len
         ):
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def _is_stop_token(
         self, token_id: int, ignore_eos: bool, stop_token_ids: tuple[int, ...]
     ) -> bool:
         return (not ignore_eos and token_id == self.eos_token_id) or token_id in stop_token_ids
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence now and free its blocks (its group leaves with free_finished)."""
         seq.status = status
         self.block_manager.free(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
 from scheduler_svc.block_manager import AllocStatus, BlockManager, BlockMapping
 from scheduler_svc.sequence import SequenceGroup, SequenceStatus
@@ -61,7 +62,7 @@ class Scheduler:
 
     def add_seq_group(self, group: SequenceGroup) -> None:
         """Queue a new request. Raises RequestRejectedError when it could never run."""
-        self._check_fits(group)
+        self.check_fits(group.prompt_len, group.sampling_params)
         bisect.insort(self.waiting, group, key=_arrival)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -186,9 +187,8 @@ class Scheduler:
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
 
-    def _check_fits(self, group: SequenceGroup) -> None:
-        params = group.sampling_params
-        prompt_len = group.prompt_len
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise RequestRejectedError for a request that could never run. No side effects."""
         if prompt_len == 0:
             raise RequestRejectedError("prompt must hold at least one token")
         total = prompt_len + params.max_tokens

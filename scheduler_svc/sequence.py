@@ -46,7 +46,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_text: str = ""
+    prefix_offset: int = 0  # detokenizer window, see scheduler_svc/detokenizer.py
+    read_offset: int = 0
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -58,6 +62,7 @@ class Sequence:
         self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None
     ) -> None:
         self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
@@ -71,7 +76,11 @@ class Sequence:
             self.status,
             self.cumulative_logprob,
             self.num_computed_tokens,
+            list(self.output_logprobs),
             list(self.output_top_logprobs),
+            self.output_text,
+            self.prefix_offset,
+            self.read_offset,
         )
 
 

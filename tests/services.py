@@ -1,0 +1,66 @@
+"""Starting and stopping the real service processes for integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]:
+    """`pagedserve serve` in its own process group; yields the base URL once /health is ok."""
+    port, executor_port = free_port(), free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedserve.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--executor-port",
+        str(executor_port),
+        "--swap-space",
+        "0.05",
+        *flags,
+    ]
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedserve-serve-{port}.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"pagedserve serve exited {proc.returncode}:\n{log.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pagedserve serve not healthy after {timeout} s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
