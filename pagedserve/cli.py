@@ -158,6 +158,12 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--state-store",
+        default=None,
+        help="redis://HOST:PORT/DB to survive restarts; default: in this process",
+    )
+    p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
     _add_engine_flags(p)
 
 
@@ -179,6 +185,8 @@ def _scheduler_options(args: argparse.Namespace, executor: str):
         max_num_seqs=args.max_num_seqs,
         preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
         enable_prefix_caching=args.enable_prefix_caching,
+        state_store=args.state_store,
+        namespace=args.namespace,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 
 
@@ -121,3 +122,15 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_n < 1 or self.max_logprobs < 0 or self.max_body_bytes < 1:
             raise ValueError("max_n >= 1, max_logprobs >= 0 and max_body_bytes >= 1 required")
+
+
+def crash_point() -> tuple[str, int] | None:
+    """``PAGEDSERVE_CRASH_AT=where:step`` (tests only): kill -9 the scheduler at a step
+    boundary — ``before_persist``, ``after_persist`` or ``after_execute`` of step N."""
+    value = os.environ.get("PAGEDSERVE_CRASH_AT")
+    if not value:
+        return None
+    where, _, step = value.partition(":")
+    if where not in ("before_persist", "after_persist", "after_execute") or not step.isdigit():
+        raise ValueError(f"PAGEDSERVE_CRASH_AT must be WHERE:STEP, got {value!r}")
+    return where, int(step)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,9 +11,26 @@ from pagedserve.settings import CacheConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import Detokenizer, find_stop
+from scheduler_svc.journal import Journal, restore_groups
 from scheduler_svc.output_processor import OutputProcessor, num_samples
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.persistence import step_from_json, step_to_json
+from scheduler_svc.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.streams import RequestDelta, StreamTracker
+
+
+class IdCounter:
+    """A counter whose next value can be read and reset (ids survive a restart)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    def __iter__(self) -> IdCounter:
+        return self
+
+    def __next__(self) -> int:
+        self.value += 1
+        return self.value - 1
 
 
 @dataclass(slots=True)
@@ -36,6 +51,7 @@ class StepOutcome:
     groups: list[SequenceGroup] = field(default_factory=list)
     finished: list[SequenceGroup] = field(default_factory=list)
     text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
+    deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
 
 
 class StepExecutor(Protocol):
@@ -54,15 +70,20 @@ class LLMEngine:
         scheduler_config: SchedulerConfig,
         eos_token_id: int | None,
         detokenizer: Detokenizer | None = None,
+        journal: Journal | None = None,
+        executor_instance: str = "",
     ) -> None:
         self.executor = executor
         self.detokenizer = detokenizer
+        self.journal = journal
+        self.executor_instance = executor_instance
         self.scheduler = Scheduler(scheduler_config, BlockManager.from_config(cache_config))
-        self._seq_ids: Iterator[int] = itertools.count()
+        self._seq_ids = IdCounter()
         self.processor = OutputProcessor(self.scheduler, eos_token_id, self._seq_ids)
-        self._step_ids = itertools.count()
+        self._step_ids = IdCounter()
         self.epoch = 0
         self.stats = EngineStats()
+        self.streams = StreamTracker()
 
     def add_request(
         self,
@@ -76,29 +97,106 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], arrival, params)
         self.scheduler.add_seq_group(group)
+        if self.journal is not None:
+            self.journal.touch(group)
+            self.journal.consumed(request_id)
         return group
 
     def abort(self, request_id: str) -> SequenceGroup | None:
-        return self.scheduler.abort(request_id)
+        group = self.scheduler.abort(request_id)
+        if group is not None and self.journal is not None:
+            self.journal.remove(request_id)
+        return group
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepOutcome:
-        """Run one step: schedule, execute, append tokens, detokenize, stop."""
+        """Run one step: schedule, persist, execute, append tokens, detokenize, persist."""
+        journal = self.journal
+        if journal is not None:
+            journal.crash_if_asked("before_persist")
         out = self.scheduler.schedule()
-        outcome = StepOutcome(finished=list(out.ignored))
         if out.is_empty:
-            return outcome
+            return self._apply(out, None, None)
         step = self._build_step(out)
+        if journal is not None:
+            for group in [s.group for s in out.scheduled] + [g for g, _ in out.preempted]:
+                journal.touch(group)
+            journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
+            journal.crash_if_asked("after_persist")
         result = self.executor.execute(step)
-        self._count(out, step)
-        samples = {o.seq_id: o for o in result.outputs}
-        outcome.finished += self.processor.process(out, samples)
-        outcome.groups = [s.group for s in out.scheduled]
-        if self.detokenizer is not None:
-            self._detokenize(outcome)
+        if journal is not None:
+            journal.crash_if_asked("after_execute")
+        return self._apply(out, step, result)
+
+    def _apply(
+        self, out: SchedulerOutput, step: ExecuteStep | None, result: StepResult | None
+    ) -> StepOutcome:
+        """Everything after Execute: tokens, forks, stops, text, events, commit 2."""
+        outcome = StepOutcome(finished=list(out.ignored))
+        if step is not None and result is not None:
+            self._count(out, step)
+            samples = {o.seq_id: o for o in result.outputs}
+            outcome.finished += self.processor.process(out, samples)
+            outcome.groups = [s.group for s in out.scheduled]
+            if self.detokenizer is not None:
+                self._detokenize(outcome)
+        ended = {id(g) for g in outcome.finished}
+        for group in outcome.groups + [
+            g for g in outcome.finished if id(g) not in {id(x) for x in outcome.groups}
+        ]:
+            delta = self.streams.delta(group, outcome.text_deltas, id(group) in ended)
+            if delta is not None:
+                outcome.deltas.append(delta)
+        if self.journal is not None and (step is not None or outcome.finished):
+            for group in outcome.groups:
+                self.journal.touch(group)
+            for group in outcome.finished:
+                self.journal.remove(group.request_id)
+            last = step.step_id if step is not None else self._step_ids.value - 1
+            self.journal.commit(self.scheduler, self._meta(last), None, outcome.deltas)
         return outcome
+
+    def _meta(self, step_id: int) -> dict[str, str]:
+        return {
+            "step_id": str(step_id),
+            "next_seq_id": str(self._seq_ids.value),
+            "executor_instance": self.executor_instance,
+        }
+
+    def recover(self) -> StepOutcome | None:
+        """Rebuild from the journal after a restart; replay the step in flight, if any.
+
+        Returns that step's outcome (its events are persisted for resuming clients).
+        """
+        state = self.journal.begin()
+        self.epoch = self.journal.epoch
+        known = state.meta.get("executor_instance", self.executor_instance)
+        kv_lost = known != self.executor_instance
+        restored = restore_groups(self.scheduler, state, kv_lost)
+        seq_ids = [s.seq_id for r in restored for s in r.group.seqs]
+        self._seq_ids.value = max(
+            [int(state.meta.get("next_seq_id", 0)), *(i + 1 for i in seq_ids)]
+        )
+        self._step_ids.value = int(state.meta.get("step_id", -1)) + 1
+        for r in restored:
+            events = self.journal.store.read_events(r.group.request_id)
+            self.streams.restore(r.group, len(events))
+        if state.pending_step is None or kv_lost:
+            return None
+        step = step_from_json(state.pending_step)
+        step.epoch = self.epoch
+        by_seq = {s.seq_id: r.group for r in restored for s in r.group.seqs}
+        scheduled: dict[int, ScheduledGroup] = {}
+        for seq_step in step.seqs:
+            group = by_seq[seq_step.seq_id]
+            entry = scheduled.setdefault(id(group), ScheduledGroup(group, False))
+            entry.is_prefill |= len(seq_step.new_token_ids) > 1
+        out = SchedulerOutput(scheduled=list(scheduled.values()))
+        result = self.executor.execute(step)
+        self._step_ids.value = step.step_id + 1
+        return self._apply(out, step, result)
 
     def _detokenize(self, outcome: StepOutcome) -> None:
         """Extend each sequence's text; a completed stop string ends the sequence there."""
@@ -159,7 +257,7 @@ class LLMEngine:
                 )
         return ExecuteStep(
             step_id=next(self._step_ids),
-            epoch=self.epoch,
+            epoch=self.journal.epoch if self.journal is not None else self.epoch,
             seqs=seqs,
             blocks_to_swap_out=out.blocks_to_swap_out,
             blocks_to_swap_in=out.blocks_to_swap_in,

@@ -33,7 +33,7 @@ class SchedulerOutput:
     blocks_to_swap_out: BlockMapping = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: BlockMapping = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: BlockMapping = field(default_factory=list)  # (src, dst) on the gpu
-    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
+    preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
     num_batched_tokens: int = 0
 
@@ -182,7 +182,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
             bisect.insort(self.waiting, group, key=_arrival)
         group.num_preemptions += 1
-        out.preempted.append((group.request_id, mode))
+        out.preempted.append((group, mode))
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)

@@ -16,7 +16,10 @@ from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.detokenizer import Detokenizer
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.journal import Journal
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.redis_store import RedisStateStore
+from scheduler_svc.state_store import InMemoryStateStore, StateStore
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +33,8 @@ class SchedulerOptions:
     max_num_batched_tokens: int | None = None
     preemption_mode: PreemptionMode | None = None
     enable_prefix_caching: bool = False
+    state_store: str | None = None  # redis://HOST:PORT/DB; default: in this process
+    namespace: str = "pagedserve"  # Redis key prefix of this deployment
 
 
 def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, object]:
@@ -53,7 +58,13 @@ def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, objec
         preemption_mode=options.preemption_mode,
     )
     engine = LLMEngine(
-        client, cache_config, scheduler_config, info.eos_token_id, Detokenizer(tokenizer)
+        client,
+        cache_config,
+        scheduler_config,
+        info.eos_token_id,
+        Detokenizer(tokenizer),
+        Journal(open_store(options)),
+        executor_instance=info.instance_id,
     )
     card = ModelCard(info.model, info.vocab_size, info.max_model_len)
     log.info(
@@ -64,6 +75,17 @@ def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, objec
         cpu_blocks=info.num_cpu_blocks,
     )
     return engine, card, tokenizer
+
+
+def open_store(options: SchedulerOptions) -> StateStore:
+    if options.state_store is None:
+        return InMemoryStateStore()
+    if not options.state_store.startswith("redis://"):
+        raise ValueError(f"--state-store must be a redis:// URL, got {options.state_store!r}")
+    store = RedisStateStore(options.state_store, options.namespace)
+    if not store.ping():
+        raise ValueError(f"no Redis answers at {options.state_store}")
+    return store
 
 
 def _wait_for_answer(client: ExecutorClient, timeout: float) -> None:

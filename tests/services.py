@@ -64,3 +64,38 @@ def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def start(args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A `pagedserve` subcommand in its own process group, its output in a log file."""
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / log_name, "w")  # noqa: SIM115
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited {proc.returncode} before {url} was healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not healthy after {timeout} s")
+        time.sleep(0.3)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -16,8 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.protocol import APIError, ParsedRequest, parse_completion, parse_json
-from scheduler_svc.async_engine import AsyncEngine, RequestDelta
+from scheduler_svc.async_engine import AsyncEngine, RequestInFlightError
 from scheduler_svc.scheduler import RequestRejectedError
+from scheduler_svc.streams import RequestDelta
 
 
 @dataclass(slots=True)
@@ -85,16 +86,28 @@ class Api:
             or parsed.request_id
             or f"{prefix}-{uuid.uuid4().hex}"
         )
-        deltas = self.engine.generate(request_id, prompt_ids, parsed.params)
+        resume = _last_event(request.headers.get("last-event-id"))
+        after = resume[0] - 1 if resume else 0
+        deltas = self.engine.generate(request_id, prompt_ids, parsed.params, after)
         render = Renderer(self, parsed, request_id, len(prompt_ids), chat)
         if parsed.stream:
             return StreamingResponse(
-                render.sse(deltas),
+                render.sse(deltas, resume),
                 media_type="text/event-stream",
                 headers={"X-Request-Id": request_id},
             )
         choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
         return JSONResponse(render.final(choices), headers={"X-Request-Id": request_id})
+
+
+def _last_event(value: str | None) -> tuple[int, int] | None:
+    """``Last-Event-ID: EVENT.OUTPUT`` of a reconnecting stream, or None."""
+    if not value:
+        return None
+    event, _, output = value.partition(".")
+    if not (event.isdigit() and output.isdigit()):
+        raise APIError(400, f"Last-Event-ID must look like 12.0, got {value!r}")
+    return int(event), int(output)
 
 
 async def _collect_unless_disconnected(
@@ -152,12 +165,14 @@ class Renderer:
             "usage": self._usage(completion_tokens),
         }
 
-    async def sse(self, deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[str]:
-        event = 0
+    async def sse(
+        self, deltas: AsyncIterator[RequestDelta], resume: tuple[int, int] | None
+    ) -> AsyncIterator[str]:
+        """One SSE event per output of each delta, id ``EVENT.OUTPUT``; a resumed stream
+        skips what the client's Last-Event-ID says it has."""
         completion_tokens = 0
         try:
-            if self.chat:
-                event += 1
+            if self.chat and resume is None:
                 roles = [
                     {
                         "index": i,
@@ -167,19 +182,20 @@ class Renderer:
                     }
                     for i in range(self.parsed.params.n)
                 ]
-                yield _event(event, self._chunk(roles))
+                yield _event(None, self._chunk(roles))
             async for delta in deltas:
                 for out in delta.outputs:
+                    if resume is not None and (delta.event, out.index) <= resume:
+                        continue
                     completion_tokens += len(out.token_ids)
                     choice = Choice(
                         out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
                     )
-                    event += 1
-                    yield _event(event, self._chunk([self._choice(out.index, choice, False)]))
+                    chunk = self._chunk([self._choice(out.index, choice, False)])
+                    yield _event(f"{delta.event}.{out.index}", chunk)
             if self.parsed.include_usage:
-                event += 1
                 usage = self._chunk([]) | {"usage": self._usage(completion_tokens)}
-                yield _event(event, usage)
+                yield _event(None, usage)
             yield "data: [DONE]\n\n"
         finally:
             await deltas.aclose()
@@ -237,13 +253,18 @@ class Renderer:
         }
 
 
-def _event(event_id: int, payload: dict[str, Any]) -> str:
-    return f"id: {event_id}\ndata: {json.dumps(payload)}\n\n"
+def _event(event_id: str | None, payload: dict[str, Any]) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {json.dumps(payload)}\n\n"
 
 
 def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
     """The FastAPI application; ``metrics`` renders /metrics (Prometheus text)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestInFlightError)
+    async def conflict(_: Request, e: RequestInFlightError) -> JSONResponse:
+        return JSONResponse(APIError(409, str(e), code="conflict").body(), status_code=409)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:

@@ -91,9 +91,9 @@ def test_streaming_sends_the_same_text_in_numbered_events(server):
         timeout=60,
     ) as r:
         lines = [line for line in r.iter_lines() if line]
-    ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
+    ids = [line[4:] for line in lines if line.startswith("id: ")]
     data = [line[6:] for line in lines if line.startswith("data: ")]
-    assert data[-1] == "[DONE]" and ids == list(range(1, len(ids) + 1))
+    assert data[-1] == "[DONE]" and ids == [f"{i}.0" for i in range(1, len(ids) + 1)]
     chunks = [json.loads(d) for d in data[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,138 @@
+"""Writes every engine step to the StateStore and rebuilds the engine from it after a
+restart, so a scheduler killed at any moment finishes every request it had accepted.
+
+Each step is written twice, around the executor call:
+
+    schedule() ─► commit 1: decisions + the step itself (pending) ─► Execute
+               ─► commit 2: tokens, finished groups, stream events, pending cleared
+
+A restart finds either no pending step (commit 2 landed, or commit 1 never did) or a
+pending one, which it sends again: the executor applies a step id once and answers a
+replay with the stored result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+
+from pagedserve.settings import crash_point
+from scheduler_svc.persistence import RestoredGroup, group_from_json, group_to_json
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import SequenceGroup, SequenceStatus
+from scheduler_svc.state_store import StateStore, StepCommit, StoredState
+from scheduler_svc.streams import RequestDelta
+
+
+class Journal:
+    """The engine's link to its StateStore: commits, fencing epoch, crash points for tests."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.epoch = 0
+        self._commit_ids = itertools.count(1)
+        self._dirty: dict[str, SequenceGroup] = {}
+        self._deleted: list[str] = []
+        self._consumed: list[str] = []
+        self._crash_at = crash_point()
+        self._num_steps = 0
+
+    def begin(self) -> StoredState:
+        """Take leadership (a new fencing epoch) and read back what the last one left."""
+        self.epoch = self.store.begin_epoch()
+        state = self.store.load()
+        self._commit_ids = itertools.count(state.last_commit_id + 1)
+        return state
+
+    def touch(self, group: SequenceGroup) -> None:
+        self._dirty[group.request_id] = group
+
+    def consumed(self, request_id: str) -> None:
+        """A submitted request became a group: it leaves the submission queue."""
+        self._consumed.append(request_id)
+
+    def remove(self, request_id: str) -> None:
+        self._dirty.pop(request_id, None)
+        self._deleted.append(request_id)
+
+    def commit(
+        self,
+        scheduler: Scheduler,
+        meta: dict[str, str],
+        pending_step: str | None = None,
+        events: list[RequestDelta] = (),
+    ) -> None:
+        """Write every touched group, removal and event in one atomic commit."""
+        upserts = {
+            rid: group_to_json(g, _queue_of(g), _tables_of(scheduler, g))
+            for rid, g in self._dirty.items()
+        }
+        commit = StepCommit(
+            epoch=self.epoch,
+            commit_id=next(self._commit_ids),
+            meta=meta,
+            upsert_groups=upserts,
+            delete_groups=list(self._deleted),
+            pending_step=pending_step,
+            clear_pending_step=pending_step is None,
+            events=[(e.request_id, e.to_json()) for e in events],
+            new_requests_consumed=list(self._consumed),
+        )
+        self.store.commit(commit)
+        self._dirty.clear()
+        self._deleted.clear()
+        self._consumed.clear()
+
+    def crash_if_asked(self, where: str) -> None:
+        """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT)."""
+        if where == "before_persist":
+            self._num_steps += 1
+        if self._crash_at == (where, self._num_steps):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _queue_of(group: SequenceGroup) -> str:
+    statuses = {seq.status for seq in group.seqs}
+    if SequenceStatus.RUNNING in statuses:
+        return "running"
+    if SequenceStatus.SWAPPED in statuses:
+        return "swapped"
+    return "waiting"
+
+
+def _tables_of(scheduler: Scheduler, group: SequenceGroup) -> dict[int, tuple[list[int], int]]:
+    bm = scheduler.block_manager
+    return {
+        seq.seq_id: (list(bm.block_tables[seq.seq_id]), bm.num_slots(seq))
+        for seq in group.seqs
+        if seq.seq_id in bm.block_tables
+    }
+
+
+def restore_groups(scheduler: Scheduler, state: StoredState, kv_lost: bool) -> list[RestoredGroup]:
+    """Put the persisted groups back in their queues and their tables in the pools.
+
+    When the executor lost its pools (``kv_lost``), running and swapped groups go back
+    to waiting and will be recomputed from their tokens.
+    """
+    restored = sorted(
+        (group_from_json(text) for text in state.groups.values()),
+        key=lambda r: r.group.arrival_time,
+    )
+    bm = scheduler.block_manager
+    for r in restored:
+        if kv_lost and r.queue != "waiting":
+            for seq in r.group.seqs:
+                if not seq.status.is_finished:
+                    seq.status = SequenceStatus.WAITING
+                    seq.num_computed_tokens = 0
+            r.queue = "waiting"
+        else:
+            for seq in r.group.seqs:
+                if seq.seq_id in r.block_tables:
+                    table, num_slots = r.block_tables[seq.seq_id]
+                    bm.restore(seq, table, num_slots, on_cpu=r.queue == "swapped")
+        getattr(scheduler, r.queue).append(r.group)
+    bm.check_integrity()
+    return restored

@@ -1,0 +1,114 @@
+"""Per-request output streams: what each step added to each output, numbered so that a
+client (or a restarted scheduler) can resume right after the last event it saw."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from scheduler_svc.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    """What one output (``index``) gained since the last event."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One event of a request's stream; ``event`` counts from 1 per request."""
+
+    request_id: str
+    prompt_len: int
+    event: int = 0
+    outputs: list[SeqDelta] = field(default_factory=list)
+    finished: bool = False
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        for out in data["outputs"]:
+            out["top_logprobs"] = [list(top.items()) for top in out["top_logprobs"]]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> RequestDelta:
+        data = json.loads(text)
+        outputs = []
+        for out in data.pop("outputs"):
+            out["top_logprobs"] = [dict(map(tuple, top)) for top in out["top_logprobs"]]
+            outputs.append(SeqDelta(**out))
+        return cls(**data, outputs=outputs)
+
+
+class StreamTracker:
+    """Remembers how much of each sequence was already sent, to cut the next delta."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, bool]] = {}  # seq_id -> (tokens sent, finish sent)
+        self._events: dict[str, int] = {}  # request_id -> events so far
+
+    def restore(self, group: SequenceGroup, num_events: int) -> None:
+        """After a restart: everything the group holds was already committed as events."""
+        self._events[group.request_id] = num_events
+        for seq in group.seqs:
+            self._sent[seq.seq_id] = (len(seq.output_token_ids), seq.status.is_finished)
+
+    def delta(
+        self, group: SequenceGroup, text_deltas: dict[int, str], finished: bool
+    ) -> RequestDelta | None:
+        """The group's next event, or None when it has nothing new. Forgets a finished group."""
+        out = RequestDelta(group.request_id, group.prompt_len, finished=finished)
+        params = group.sampling_params
+        if params.use_beam_search or params.width > params.n:
+            if finished:  # only the final ranking is meaningful
+                out.outputs = [_whole(i, s) for i, s in enumerate(group.outputs())]
+        else:
+            for index, seq in enumerate(group.seqs):
+                seq_delta = self._seq_delta(index, seq, text_deltas.get(seq.seq_id, ""))
+                if seq_delta is not None:
+                    out.outputs.append(seq_delta)
+        if finished:
+            for seq in group.seqs:
+                self._sent.pop(seq.seq_id, None)
+        if not out.outputs and not finished:
+            return None
+        out.event = self._events.get(group.request_id, 0) + 1
+        if finished:
+            self._events.pop(group.request_id, None)
+        else:
+            self._events[group.request_id] = out.event
+        return out
+
+    def _seq_delta(self, index: int, seq: Sequence, text: str) -> SeqDelta | None:
+        sent, finish_sent = self._sent.get(seq.seq_id, (0, False))
+        ends_now = seq.status.is_finished and not finish_sent
+        if sent == len(seq.output_token_ids) and not ends_now:
+            return None
+        self._sent[seq.seq_id] = (len(seq.output_token_ids), seq.status.is_finished)
+        return SeqDelta(
+            index,
+            text,
+            seq.output_token_ids[sent:],
+            seq.output_logprobs[sent:],
+            seq.output_top_logprobs[sent:],
+            seq.status.finish_reason,
+        )
+
+
+def _whole(index: int, seq: Sequence) -> SeqDelta:
+    return SeqDelta(
+        index,
+        seq.output_text,
+        list(seq.output_token_ids),
+        list(seq.output_logprobs),
+        list(seq.output_top_logprobs),
+        seq.status.finish_reason,
+    )
