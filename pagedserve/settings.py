@@ -116,6 +116,10 @@ class ApiConfig:
     max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
     max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))
     max_body_bytes: int = field(default=4 << 20, metadata=_help("largest request body"))
+    executor_budget_s: float = field(
+        default=30.0,
+        metadata=_help("refuse new requests (503) once the executor is away this long"),
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -64,3 +64,12 @@ class SeqOutput:
 class StepResult:
     step_id: int
     outputs: list[SeqOutput]
+
+
+class ExecutorRestarted(RuntimeError):
+    """The executor came back as a new process: its KV pool and swap pool are gone, so
+    every sequence that had blocks there must be recomputed from its tokens."""
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(f"executor restarted as instance {instance_id}")
+        self.instance_id = instance_id

@@ -68,6 +68,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    def executor_unavailable_for(self) -> float:
+        """Seconds the executor has been unreachable (0 when it answers, or in process)."""
+        away = getattr(self.engine.executor, "unavailable_for", None)
+        return away() if away is not None else 0.0
+
     def check(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise RequestRejectedError now for a request that could never run."""
         self.engine.scheduler.check_fits(prompt_len, params)

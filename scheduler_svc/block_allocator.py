@@ -120,6 +120,15 @@ class BlockAllocator:
         self._block_to_hash[block_id] = block_hash
         self._block_tokens[block_id] = tuple(token_ids)
 
+    def forget_cached(self) -> None:
+        """Unpublish every hash; idle cached blocks become plain free blocks."""
+        for block_id in self._evictable:
+            heapq.heappush(self._free, block_id)
+        self._evictable.clear()
+        self._hash_to_block.clear()
+        self._block_to_hash.clear()
+        self._block_tokens.clear()
+
     def is_cached(self, block_id: BlockId) -> bool:
         return block_id in self._block_to_hash
 

@@ -208,6 +208,10 @@ class BlockManager:
         else:
             self._register_full_blocks(seq, 0)
 
+    def forget_cached(self) -> None:
+        """Drop the prefix cache: the K/V it pointed at is gone with the executor."""
+        self.gpu.forget_cached()
+
     # -- swapping --------------------------------------------------------------------
 
     def can_swap_out(self, group: SequenceGroup) -> bool:

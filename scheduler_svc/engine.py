@@ -8,7 +8,7 @@ from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, SchedulerConfig
-from pagedserve.step import ExecuteStep, SeqStep, StepResult
+from pagedserve.step import ExecuteStep, ExecutorRestarted, SeqStep, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import Detokenizer, find_stop
 from scheduler_svc.journal import Journal, restore_groups
@@ -125,10 +125,23 @@ class LLMEngine:
                 journal.touch(group)
             journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
             journal.crash_if_asked("after_persist")
-        result = self.executor.execute(step)
+        try:
+            result = self.executor.execute(step)
+        except ExecutorRestarted as e:
+            return self._recompute_all(e.instance_id)
         if journal is not None:
             journal.crash_if_asked("after_execute")
         return self._apply(out, step, result)
+
+    def _recompute_all(self, instance_id: str) -> StepOutcome:
+        """The executor came back empty: the step in flight is void, all groups restart."""
+        self.executor_instance = instance_id
+        moved = self.scheduler.recompute_all()
+        if self.journal is not None:
+            for group in moved:
+                self.journal.touch(group)
+            self.journal.commit(self.scheduler, self._meta(self._step_ids.value - 1))
+        return StepOutcome()
 
     def _apply(
         self, out: SchedulerOutput, step: ExecuteStep | None, result: StepResult | None

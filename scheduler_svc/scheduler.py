@@ -78,6 +78,21 @@ class Scheduler:
                     return group
         return None
 
+    def recompute_all(self) -> list[SequenceGroup]:
+        """The executor lost its pools: free every table and queue every group to be
+        recomputed from its tokens. Returns the groups moved."""
+        moved = self.running + self.swapped
+        for group in moved:
+            for seq in group.seqs:
+                if not seq.status.is_finished:
+                    self.block_manager.free(seq)
+                    seq.status = SequenceStatus.WAITING
+                    seq.num_computed_tokens = 0
+            bisect.insort(self.waiting, group, key=_arrival)
+        self.running, self.swapped = [], []
+        self.block_manager.forget_cached()
+        return moved
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -18,6 +18,7 @@ from scheduler_svc.engine import LLMEngine
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.journal import Journal
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.reconnect import ReconnectingExecutor
 from scheduler_svc.redis_store import RedisStateStore
 from scheduler_svc.state_store import InMemoryStateStore, StateStore
 
@@ -58,7 +59,7 @@ def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, objec
         preemption_mode=options.preemption_mode,
     )
     engine = LLMEngine(
-        client,
+        ReconnectingExecutor(client, info.instance_id),
         cache_config,
         scheduler_config,
         info.eos_token_id,

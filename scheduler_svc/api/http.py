@@ -67,6 +67,14 @@ class Api:
         return ids
 
     async def handle(self, request: Request, chat: bool) -> Response:
+        away = self.engine.executor_unavailable_for()
+        if away > self.config.executor_budget_s:
+            raise APIError(
+                503,
+                f"the executor has been unreachable for {away:.0f} s; retry later",
+                code="executor_unavailable",
+                type="server_error",
+            )
         parsed = parse_completion(parse_json(await request.body(), self.config), self.config, chat)
         if parsed.model != self.card.name:
             raise APIError(
@@ -268,7 +276,8 @@ def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "5"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import threading
 import uuid
 from pathlib import Path
@@ -176,3 +178,52 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
         assert got == reference[0]
     finally:
         stop(proc)
+
+
+def test_executor_kill_9_is_a_delay_not_an_error(tiny_chat_model_dir, namespace, reference):
+    port = free_port()
+    args = [
+        "executor",
+        "--port",
+        str(port),
+        "--model",
+        str(tiny_chat_model_dir),
+        "--num-gpu-blocks",
+        "128",
+        "--swap-space",
+        "0.05",
+    ]
+    executor = start(args, f"executor-{port}.log")
+    proc, url = scheduler(f"127.0.0.1:{port}", f"{namespace}-executor")
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    results: dict[int, httpx.Response] = {}
+
+    def client(i: int) -> None:
+        results[i] = httpx.post(f"{url}/v1/completions", json=body(model, PROMPTS[i]), timeout=120)
+
+    try:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body(model, PROMPTS[0], True), timeout=120
+        ) as first:
+            lines = first.iter_lines()
+            line = next(lines)
+            while not line.startswith("data: {"):  # wait until generation is under way
+                line = next(lines)
+            text = json.loads(line[6:])["choices"][0]["text"]
+            threads = [threading.Thread(target=client, args=(i,)) for i in (1, 2)]
+            for t in threads:
+                t.start()
+            os.killpg(executor.pid, signal.SIGKILL)
+            executor.wait()
+            executor = start(args, f"executor-{port}-again.log")  # same address, empty pools
+            for line in lines:
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        for t in threads:
+            t.join(timeout=120)
+        assert all(results[i].status_code == 200 for i in (1, 2))
+        assert [results[i].json()["choices"][0]["text"] for i in (1, 2)] == reference[1:]
+        assert text == reference[0] and used_blocks(url) == 0
+    finally:
+        stop(proc)
+        stop(executor)
