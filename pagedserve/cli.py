@@ -164,6 +164,12 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
         help="redis://HOST:PORT/DB to survive restarts; default: in this process",
     )
     p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC Generate front door on this port",
+    )
     _add_engine_flags(p)
 
 
@@ -187,6 +193,7 @@ def _scheduler_options(args: argparse.Namespace, executor: str):
         enable_prefix_caching=args.enable_prefix_caching,
         state_store=args.state_store,
         namespace=args.namespace,
+        grpc_port=args.grpc_port,
     )
 
 

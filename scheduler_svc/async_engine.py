@@ -128,10 +128,13 @@ class AsyncEngine:
         record = {"prompt": prompt, "params": params_to_dict(params), "arrival": arrival}
         return self.store.submit_request(request_id, json.dumps(record))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Stop a request within one step; its stream, if any, ends with finish reason
+        "abort". Returns whether a client was following it here."""
         with self._lock:
             self._aborts.append(request_id)
         self._wake.set()
+        return request_id in self._streams
 
     async def _run(self) -> None:
         try:
@@ -166,9 +169,12 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
         for request_id, prompt, params, arrival in incoming:
             self.engine.add_request(request_id, prompt, params, arrival)
+        ended = []
         for request_id in aborts:
-            if self.engine.abort(request_id) is not None:
+            group = self.engine.abort(request_id)
+            if group is not None:
                 log.info("request aborted", request_id=request_id)
-        if not self.engine.has_unfinished():
-            return StepOutcome()
-        return self.engine.step()
+                ended.append(self.engine.streams.delta(group, {}, finished=True))
+        outcome = self.engine.step() if self.engine.has_unfinished() else StepOutcome()
+        outcome.deltas[:0] = [d for d in ended if d is not None]
+        return outcome

@@ -11,6 +11,7 @@ import uvicorn
 
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.settings import ApiConfig, CacheConfig, PreemptionMode, SchedulerConfig
+from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, ModelCard, build_app
 from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.detokenizer import Detokenizer
@@ -36,6 +37,7 @@ class SchedulerOptions:
     enable_prefix_caching: bool = False
     state_store: str | None = None  # redis://HOST:PORT/DB; default: in this process
     namespace: str = "pagedserve"  # Redis key prefix of this deployment
+    grpc_port: int | None = None  # the gRPC Generate front door; None: HTTP only
 
 
 def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, object]:
@@ -111,6 +113,10 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
     async_engine = AsyncEngine(engine, metrics)
     await async_engine.start()
     app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render)
+    frontdoor = None
+    if options.grpc_port is not None:
+        servicer = FrontDoorServicer(async_engine, tokenizer, card, api_config)
+        frontdoor = await start_frontdoor(servicer, api_config.host, options.grpc_port)
     config = uvicorn.Config(
         app, host=api_config.host, port=api_config.port, log_level="warning", lifespan="off"
     )
@@ -119,4 +125,6 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
     try:
         await server.serve()
     finally:
+        if frontdoor is not None:
+            await frontdoor.stop(grace=5)
         await async_engine.stop()

@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.settings import ApiConfig
+from scheduler_svc.api.admission import check_executor, check_fits, tokenize_prompt
 from scheduler_svc.api.protocol import APIError, ParsedRequest, parse_completion, parse_json
 from scheduler_svc.async_engine import AsyncEngine, RequestInFlightError
-from scheduler_svc.scheduler import RequestRejectedError
 from scheduler_svc.streams import RequestDelta
 
 
@@ -45,36 +45,8 @@ class Api:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, card: ModelCard, config: ApiConfig):
         self.engine, self.tokenizer, self.card, self.config = engine, tokenizer, card, config
 
-    def tokenize(self, parsed: ParsedRequest) -> list[int]:
-        if parsed.messages is not None:
-            encoded = self.tokenizer.apply_chat_template(
-                parsed.messages, add_generation_prompt=True, tokenize=True
-            )
-            ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-        elif isinstance(parsed.prompt, str):
-            ids = self.tokenizer.encode(parsed.prompt)
-        else:
-            ids = list(parsed.prompt)
-            bad = [t for t in ids if not 0 <= t < self.card.vocab_size]
-            if bad:
-                raise APIError(
-                    400,
-                    f"token id {bad[0]} is outside the vocabulary [0, {self.card.vocab_size})",
-                    param="prompt",
-                )
-        if not ids:
-            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-        return ids
-
     async def handle(self, request: Request, chat: bool) -> Response:
-        away = self.engine.executor_unavailable_for()
-        if away > self.config.executor_budget_s:
-            raise APIError(
-                503,
-                f"the executor has been unreachable for {away:.0f} s; retry later",
-                code="executor_unavailable",
-                type="server_error",
-            )
+        check_executor(self.engine, self.config)
         parsed = parse_completion(parse_json(await request.body(), self.config), self.config, chat)
         if parsed.model != self.card.name:
             raise APIError(
@@ -83,11 +55,8 @@ class Api:
                 param="model",
                 code="model_not_found",
             )
-        prompt_ids = self.tokenize(parsed)
-        try:
-            self.engine.check(len(prompt_ids), parsed.params)
-        except RequestRejectedError as e:
-            raise APIError(400, str(e), param="max_tokens") from None
+        prompt_ids = tokenize_prompt(self.tokenizer, self.card.vocab_size, parsed)
+        check_fits(self.engine, len(prompt_ids), parsed.params)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = (
             request.headers.get("x-request-id")
