@@ -123,7 +123,10 @@ def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference,
     threads = [threading.Thread(target=first_try, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
-    assert proc.wait(timeout=60) == -9, "the scheduler should have died at the crash point"
+    try:
+        assert proc.wait(timeout=60) == -9, "the scheduler should have died at the crash point"
+    finally:
+        stop(proc)
     for t in threads:
         t.join(timeout=60)
     proc, url = scheduler(executor, namespace)
@@ -162,7 +165,10 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
                     got += json.loads(line[6:])["choices"][0]["text"]
     except httpx.HTTPError:
         pass  # the scheduler died mid-stream
-    assert proc.wait(timeout=60) == -9 and last_id is not None
+    try:
+        assert proc.wait(timeout=60) == -9 and last_id is not None
+    finally:
+        stop(proc)
     proc, url = scheduler(executor, namespace)
     try:
         with httpx.stream(
