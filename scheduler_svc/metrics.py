@@ -28,7 +28,16 @@ class SchedulerMetrics:
         self.preemptions = Counter(
             "pagedserve_preemptions_total", "groups preempted", ["mode"], registry=r
         )
+        self.prefix_queries = Counter(
+            "pagedserve_prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "pagedserve_prefix_cache_hits", "prompt tokens found computed", registry=r
+        )
         self._preempted: dict[str, int] = {}
+        self._prefix = (0, 0)
 
     def update(self, engine: LLMEngine) -> None:
         scheduler = engine.scheduler
@@ -42,6 +51,11 @@ class SchedulerMetrics:
             ("swapped", scheduler.swapped),
         ):
             self.num_requests.labels(state).set(len(queue))
+        counters = scheduler.block_manager.counters
+        queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
+        self.prefix_queries.inc(queries - self._prefix[0])
+        self.prefix_hits.inc(hits - self._prefix[1])
+        self._prefix = (queries, hits)
         for mode, count in engine.stats.preemptions.items():
             self.preemptions.labels(mode).inc(count - self._preempted.get(mode, 0))
             self._preempted[mode] = count

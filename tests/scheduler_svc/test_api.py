@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path):
-    with serve(tiny_chat_model_dir, "--num-gpu-blocks", "96", "--api-key", KEY) as url:
+    flags = ["--num-gpu-blocks", "96", "--api-key", KEY, "--enable-prefix-caching"]
+    with serve(tiny_chat_model_dir, *flags) as url:
         yield url, tiny_chat_model_dir.name
 
 
@@ -45,7 +47,8 @@ def post(server, path: str, body: dict | bytes, **kw) -> httpx.Response:
 
 def metric(server, name: str, label: str) -> float:
     text = httpx.get(f"{server[0]}/metrics", headers=AUTH).text
-    match = re.search(rf"^{name}\{{{label}\}} (\S+)$", text, re.M)
+    pattern = rf"^{name}\{{{label}\}} (\S+)$" if label else rf"^{name} (\S+)$"
+    match = re.search(pattern, text, re.M)
     assert match, f"{name}{{{label}}} missing from /metrics"
     return float(match.group(1))
 
@@ -230,4 +233,30 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     while metric(server, "pagedserve_num_requests", 'state="running"') > 0:
         assert time.monotonic() < deadline, "the disconnected request still runs"
         time.sleep(0.1)
+    assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
+
+
+def test_preemption_under_load_and_prefix_sharing(server, client):
+    model = model_of(server)
+    system = "You are a careful harbour engineer who answers in full sentences. " * 4
+    before = metric(server, "pagedserve_prefix_cache_hits_total", "")
+    results: list = [None] * 8
+
+    def one(i: int) -> None:  # 8 x ~250 tokens need more than the 96 blocks of 16
+        results[i] = client.completions.create(
+            model=model,
+            prompt=f"{system} Question {i}:",
+            max_tokens=200,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(r is not None and r.usage.completion_tokens == 200 for r in results)
+    assert metric(server, "pagedserve_preemptions_total", 'mode="recompute"') > 0
+    assert metric(server, "pagedserve_prefix_cache_hits_total", "") > before
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
