@@ -53,6 +53,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self.store is not None:
             await asyncio.to_thread(self.engine.recover)
+            await asyncio.to_thread(self.engine.flush)  # the replayed step's results
             for request_id, record in self.store.pending_requests():
                 data = json.loads(record)
                 params = params_from_dict(data["params"])
@@ -143,6 +144,8 @@ class AsyncEngine:
                     await self._wake.wait()
                 self._wake.clear()
                 outcome = await asyncio.to_thread(self._step)
+                if not self._has_work():
+                    await asyncio.to_thread(self.engine.flush)
                 for delta in outcome.deltas:
                     queue = self._streams.get(delta.request_id)
                     if queue is not None:

@@ -162,14 +162,18 @@ class LLMEngine:
             delta = self.streams.delta(group, outcome.text_deltas, id(group) in ended)
             if delta is not None:
                 outcome.deltas.append(delta)
-        if self.journal is not None and (step is not None or outcome.finished):
+        if self.journal is not None:  # written with the next step's commit, or flush()
             for group in outcome.groups:
                 self.journal.touch(group)
             for group in outcome.finished:
                 self.journal.remove(group.request_id)
-            last = step.step_id if step is not None else self._step_ids.value - 1
-            self.journal.commit(self.scheduler, self._meta(last), None, outcome.deltas)
+            self.journal.defer(outcome.deltas)
         return outcome
+
+    def flush(self) -> None:
+        """Commit what the last step left (the engine is going idle)."""
+        if self.journal is not None and self.journal.has_deferred:
+            self.journal.commit(self.scheduler, self._meta(self._step_ids.value - 1))
 
     def _meta(self, step_id: int) -> dict[str, str]:
         return {

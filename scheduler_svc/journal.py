@@ -1,14 +1,15 @@
 """Writes every engine step to the StateStore and rebuilds the engine from it after a
 restart, so a scheduler killed at any moment finishes every request it had accepted.
 
-Each step is written twice, around the executor call:
+One commit per step, before the executor call:
 
-    schedule() ─► commit 1: decisions + the step itself (pending) ─► Execute
-               ─► commit 2: tokens, finished groups, stream events, pending cleared
+    schedule(N) ─► commit: step N's decisions, step N itself (pending), and the tokens,
+                   finished groups and stream events of step N-1 ─► Execute(N)
 
-A restart finds either no pending step (commit 2 landed, or commit 1 never did) or a
-pending one, which it sends again: the executor applies a step id once and answers a
-replay with the stored result.
+The results of step N-1 can wait for step N's commit because step N-1 is recorded as
+pending until then: a restart sends the pending step again, and the executor, which
+applies a step id once, answers with the stored result. When the engine goes idle it
+flushes the last results with the pending step cleared.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Journal:
         self._dirty: dict[str, SequenceGroup] = {}
         self._deleted: list[str] = []
         self._consumed: list[str] = []
+        self._events: list[RequestDelta] = []  # deferred to the next commit
         self._crash_at = crash_point()
         self._num_steps = 0
 
@@ -56,14 +58,18 @@ class Journal:
         self._dirty.pop(request_id, None)
         self._deleted.append(request_id)
 
+    def defer(self, events: list[RequestDelta]) -> None:
+        """Hold a step's stream events for the next commit."""
+        self._events += events
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._dirty or self._deleted or self._consumed or self._events)
+
     def commit(
-        self,
-        scheduler: Scheduler,
-        meta: dict[str, str],
-        pending_step: str | None = None,
-        events: list[RequestDelta] = (),
+        self, scheduler: Scheduler, meta: dict[str, str], pending_step: str | None = None
     ) -> None:
-        """Write every touched group, removal and event in one atomic commit."""
+        """Write every touched group, removal and deferred event in one atomic commit."""
         upserts = {
             rid: group_to_json(g, _queue_of(g), _tables_of(scheduler, g))
             for rid, g in self._dirty.items()
@@ -76,13 +82,14 @@ class Journal:
             delete_groups=list(self._deleted),
             pending_step=pending_step,
             clear_pending_step=pending_step is None,
-            events=[(e.request_id, e.to_json()) for e in events],
+            events=[(e.request_id, e.to_json()) for e in self._events],
             new_requests_consumed=list(self._consumed),
         )
         self.store.commit(commit)
         self._dirty.clear()
         self._deleted.clear()
         self._consumed.clear()
+        self._events.clear()
 
     def crash_if_asked(self, where: str) -> None:
         """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT)."""
