@@ -29,6 +29,7 @@ bench: install
 		--json bench/results/memory_waste_sharegpt.json
 	$(PY) bench/memory_waste.py --preset alpaca --num-requests 200 --block-size 16 \
 		--json bench/results/memory_waste_alpaca.json
+	$(PY) bench/throughput.py --preset sharegpt --num-requests 32 --systems pagedserve,services --json bench/results/throughput_sharegpt.json
 	$(PY) bench/kernels.py --json bench/results/kernels_$(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu).json
 
 lint: install
