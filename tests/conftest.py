@@ -1,40 +1,46 @@
-"""Models for executor tests: a tiny seeded random Llama, and the real default model."""
+"""Models for the tests: tiny seeded random Llamas, and the real default model."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama with grouped-query attention, saved as a checkpoint directory.
+def save_tiny_llama(path: Path, **overrides: object) -> Path:
+    """A seeded 2-layer Llama with grouped-query attention as a checkpoint directory.
 
     A wide initialiser makes the logits peaked, so greedy choices are not coin flips.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
+    shape = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.2,
+        "bos_token_id": 1,
+    }
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**(shape | overrides))).float().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Token ids only (no tokenizer, no EOS)."""
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama"),
         tie_word_embeddings=False,
-        bos_token_id=1,
         eos_token_id=None,
         pad_token_id=0,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -47,29 +53,15 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The tiny Llama shape with the default model's vocabulary, tokenizer and chat
-    template: real text in and out at the cost of a toy model."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    """The tiny shape with the default model's vocabulary, tokenizer and chat template:
+    real text in and out at the cost of a toy model."""
+    path = save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-chat-llama"),
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
         tie_word_embeddings=True,
-        bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-chat-llama")
-    LlamaForCausalLM(config).float().save_pretrained(path)
     for name in smollm2_dir.iterdir():
         if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(name, path / name.name)

@@ -25,10 +25,7 @@ def free_port() -> int:
 def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]:
     """`pagedserve serve` in its own process group; yields the base URL once /health is ok."""
     port, executor_port = free_port(), free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
+    args = [
         "serve",
         "--model",
         str(model_dir),
@@ -40,49 +37,38 @@ def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]
         "0.05",
         *flags,
     ]
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedserve-serve-{port}.log", "w+")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start(args, f"pagedserve-serve-{port}.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"pagedserve serve exited {proc.returncode}:\n{log.read()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pagedserve serve not healthy after {timeout} s")
-            time.sleep(0.3)
+        wait_healthy(url, proc, timeout)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        stop(proc)
 
 
 def start(args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A `pagedserve` subcommand in its own process group, its output in a log file."""
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / log_name, "w")  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / log_name
+    with open(path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    proc.log_path = path
+    return proc
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited {proc.returncode} before {url} was healthy")
+            tail = proc.log_path.read_text()[-3000:]
+            raise RuntimeError(
+                f"process exited {proc.returncode} before {url} was healthy:\n{tail}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return

@@ -27,23 +27,24 @@ PROMPTS = ["The harbour committee met", "A fisherman asked who would pay", "By n
 MAX_TOKENS = 24
 
 
+def executor_args(model_dir: Path, port: int) -> list[str]:
+    return [
+        "executor",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        "--num-gpu-blocks",
+        "128",
+        "--swap-space",
+        "0.05",
+    ]
+
+
 @pytest.fixture(scope="module")
 def executor(tiny_chat_model_dir: Path):
     port = free_port()
-    proc = start(
-        [
-            "executor",
-            "--port",
-            str(port),
-            "--model",
-            str(tiny_chat_model_dir),
-            "--num-gpu-blocks",
-            "128",
-            "--swap-space",
-            "0.05",
-        ],
-        f"executor-{port}.log",
-    )
+    proc = start(executor_args(tiny_chat_model_dir, port), f"executor-{port}.log")
     yield f"127.0.0.1:{port}"
     stop(proc)
 
@@ -188,17 +189,7 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
 
 def test_executor_kill_9_is_a_delay_not_an_error(tiny_chat_model_dir, namespace, reference):
     port = free_port()
-    args = [
-        "executor",
-        "--port",
-        str(port),
-        "--model",
-        str(tiny_chat_model_dir),
-        "--num-gpu-blocks",
-        "128",
-        "--swap-space",
-        "0.05",
-    ]
+    args = executor_args(tiny_chat_model_dir, port)
     executor = start(args, f"executor-{port}.log")
     proc, url = scheduler(f"127.0.0.1:{port}", f"{namespace}-executor")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
