@@ -7,8 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-GiB = 1 << 30
-
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="run the engine in this process on prompts, offline")

@@ -156,9 +156,8 @@ class LLMEngine:
             if self.detokenizer is not None:
                 self._detokenize(outcome)
         ended = {id(g) for g in outcome.finished}
-        for group in outcome.groups + [
-            g for g in outcome.finished if id(g) not in {id(x) for x in outcome.groups}
-        ]:
+        ran = {id(g) for g in outcome.groups}
+        for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
             delta = self.streams.delta(group, outcome.text_deltas, id(group) in ended)
             if delta is not None:
                 outcome.deltas.append(delta)
