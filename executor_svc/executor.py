@@ -2,27 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from executor_svc.cache_engine import CacheEngine, CacheShape
 from executor_svc.model_runner import ModelRunner
+from executor_svc.parallel import Shard, check_divisible
 from executor_svc.sampler import Sampler
 from executor_svc.weights import load_model
+from executor_svc.workers import WorkerGroup
 from pagedserve.model_files import load_config, resolve_model
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import ExecutorConfig
-from pagedserve.step import ExecuteStep, StepResult
+from pagedserve.step import BlockPairs, ExecuteStep, SeqOutput, SeqStep, StepResult
 
 GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Executor:
-    """Makes no decisions: applies each step's cache operations, runs the batch, samples."""
+    """Makes no decisions: applies each step's cache operations, runs the batch, samples.
 
-    def __init__(self, config: ExecutorConfig) -> None:
+    With ``tensor_parallel_size`` N > 1 the executor built without a ``shard`` is rank 0:
+    it starts ranks 1..N-1 (each an Executor built with its shard), has them apply every
+    pool operation it applies, and alone samples. The block ids are the same on all ranks.
+    """
+
+    def __init__(self, config: ExecutorConfig, shard: Shard | None = None) -> None:
         self.config = config
-        self.device = _pick_device(config.device)
+        world_size = config.tensor_parallel_size
+        self.device = pick_device(config.device, shard.rank if shard else 0, world_size)
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.model_path = resolve_model(config.model)
@@ -31,15 +42,35 @@ class Executor:
             config.max_model_len or hf_config.max_position_embeddings,
             hf_config.max_position_embeddings,
         )
-        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        self.workers: WorkerGroup | None = None
+        if shard is None and world_size > 1:
+            check_divisible(hf_config, world_size)
+            pick_device(config.device, world_size - 1, world_size)  # enough GPUs?
+            self.workers = WorkerGroup(config, self.device)
+            shard = self.workers.shard
+        self.shard = shard
+        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, shard)
+        if self.workers is not None:
+            self.workers.wait_ready()
         eos = hf_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.cache: CacheEngine | None = None
         self.runner: ModelRunner | None = None
 
     def init_cache(self) -> ModelInfo:
-        """Allocate the KV pool and the swap pool from the configured budget."""
-        cfg = self.model.config
+        """Allocate the KV pool and the swap pool from the configured budget.
+
+        Under tensor parallelism each rank holds its kv heads of every block, and the
+        pools get the fewest blocks any rank can afford, so the block ids agree.
+        """
+        with self._on_all_ranks("init_cache"):
+            info = self._init_cache()
+        if self.workers is not None:
+            self.workers.wait_done()
+        return info
+
+    def _init_cache(self) -> ModelInfo:
+        cfg = self.model.config  # this rank's slice: num_key_value_heads / N
         shape = CacheShape(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
@@ -49,8 +80,11 @@ class Executor:
         )
         num_gpu_blocks = self.config.num_gpu_blocks or shape.num_blocks_for(self._kv_budget())
         num_cpu_blocks = shape.num_blocks_for(int(self.config.swap_space * GiB))
+        if self.shard is not None:
+            num_gpu_blocks, num_cpu_blocks = self._fewest(num_gpu_blocks, num_cpu_blocks)
         self.cache = CacheEngine(shape, num_gpu_blocks, num_cpu_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.cache, Sampler(), self.device)
+        sampler = Sampler() if self.shard is None or self.shard.rank == 0 else _NoSampler()
+        self.runner = ModelRunner(self.model, self.cache, sampler, self.device)
         return ModelInfo(
             model=self.config.model,
             vocab_size=cfg.vocab_size,
@@ -63,12 +97,56 @@ class Executor:
 
     def execute(self, step: ExecuteStep) -> StepResult:
         """Swap out, swap in, copy on write, in that order; then the forward pass."""
+        cache, runner = self._pools()
+        with self._on_all_ranks("execute", step):
+            cache.swap_out(step.blocks_to_swap_out)
+            cache.swap_in(step.blocks_to_swap_in)
+            cache.copy(step.blocks_to_copy)
+            return StepResult(step.step_id, runner.execute(step.seqs))
+
+    def copy_blocks(self, pairs: BlockPairs) -> None:
+        """Copy-on-write ``(src, dst)`` pairs in the KV pool outside a step."""
+        cache, _ = self._pools()
+        with self._on_all_ranks("copy_blocks", pairs):
+            cache.copy(pairs)
+
+    def swap_blocks(self, blocks_to_swap_out: BlockPairs, blocks_to_swap_in: BlockPairs) -> None:
+        """Swap out, then swap in, outside a step."""
+        cache, _ = self._pools()
+        with self._on_all_ranks("swap_blocks", blocks_to_swap_out, blocks_to_swap_in):
+            cache.swap_out(blocks_to_swap_out)
+            cache.swap_in(blocks_to_swap_in)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def _pools(self) -> tuple[CacheEngine, ModelRunner]:
         if self.cache is None or self.runner is None:
             raise RuntimeError("init_cache must run before execute")
-        self.cache.swap_out(step.blocks_to_swap_out)
-        self.cache.swap_in(step.blocks_to_swap_in)
-        self.cache.copy(step.blocks_to_copy)
-        return StepResult(step.step_id, self.runner.execute(step.seqs))
+        return self.cache, self.runner
+
+    @contextlib.contextmanager
+    def _on_all_ranks(self, name: str, *args: object) -> Iterator[None]:
+        """On rank 0, send the operation to the other ranks first; if rank 0 then fails,
+        the ranks may be stuck in different collectives, which only an exit resolves."""
+        if self.workers is None:
+            yield
+            return
+        self.workers.send(name, *args)
+        try:
+            yield
+        except BaseException as e:
+            self.workers.fail(f"rank 0 failed in {name}: {type(e).__name__}: {e}")
+            raise
+
+    def _fewest(self, num_gpu_blocks: int, num_cpu_blocks: int) -> tuple[int, int]:
+        """The smallest pool sizes over the ranks (their free GPU memory may differ)."""
+        assert self.shard is not None
+        sizes = torch.tensor([num_gpu_blocks, num_cpu_blocks], device=self.device)
+        self.shard.all_reduce(sizes, torch.distributed.ReduceOp.MIN)
+        return int(sizes[0]), int(sizes[1])
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -79,10 +157,28 @@ class Executor:
         return GiB
 
 
-def _pick_device(name: str) -> torch.device:
+class _NoSampler:
+    """Ranks other than 0 compute the same logits but leave the drawing to rank 0."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqStep]) -> list[SeqOutput]:
+        return [SeqOutput(seq.seq_id, [], []) for seq in seqs]
+
+
+def pick_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device ``name`` names; under tensor parallelism rank r takes the r-th GPU
+    from the named one on."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda" or world_size == 1:
+        return device
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {world_size} from {device} needs GPU {index}, "
+            f"but {torch.cuda.device_count()} are visible"
+        )
+    return torch.device("cuda", index)
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from executor_svc.executor import Executor
+from executor_svc.metrics import ExecutorMetrics
+from executor_svc.registration import Registration, RegistrationOptions
 from executor_svc.step_guard import (
     InvalidArgument,
     PreconditionFailed,
@@ -25,6 +27,7 @@ from executor_svc.step_guard import (
     validate_step,
 )
 from pagedserve.model_info import ExecutorStats, ModelInfo
+from pagedserve.registry import ExecutorRecord
 from pagedserve.rpc import GRPC_OPTIONS
 from pagedserve.rpc.convert import (
     model_info_to_pb,
@@ -55,6 +58,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.info: ModelInfo | None = None
         self.ledger = StepLedger()
         self.stats = ExecutorStats(instance_id=secrets.token_hex(8))
+        self.metrics = ExecutorMetrics()
         self.lock = asyncio.Lock()
 
     async def _locked(
@@ -95,6 +99,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             s = self.stats
             s.ready, s.block_size = True, info.block_size
             s.num_gpu_blocks, s.num_cpu_blocks = info.num_gpu_blocks, info.num_cpu_blocks
+            self.metrics.set_pools(info)
             log.info("executor.cache_allocated", **dataclasses.asdict(self.info))
         return self.info
 
@@ -111,6 +116,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.stats.epoch = self.ledger.epoch
         if stored is not None:
             self.stats.num_replayed_steps += 1
+            self.metrics.replayed_steps.inc()
             log.info("executor.step_replayed", step_id=request.step_id, epoch=request.epoch)
             return stored
         try:
@@ -129,6 +135,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         s.num_blocks_swapped_out += len(step.blocks_to_swap_out)
         s.num_blocks_swapped_in += len(step.blocks_to_swap_in)
         s.num_blocks_copied += len(step.blocks_to_copy)
+        self.metrics.observe_step(step, elapsed)
         return result
 
     async def CopyBlocks(
@@ -141,8 +148,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> int:
         info = self._ready_info()
         validate_pairs(pairs, "blocks_to_copy", info.num_gpu_blocks, info.num_gpu_blocks)
-        self.executor.cache.copy(pairs)
+        self.executor.copy_blocks(pairs)
         self.stats.num_blocks_copied += len(pairs)
+        self.metrics.observe_cache_ops([], [], pairs)
         return len(pairs)
 
     async def SwapBlocks(
@@ -161,10 +169,10 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         gpu, cpu = info.num_gpu_blocks, info.num_cpu_blocks
         validate_pairs(out, "blocks_to_swap_out", gpu, cpu)
         validate_pairs(into, "blocks_to_swap_in", cpu, gpu)
-        self.executor.cache.swap_out(out)
-        self.executor.cache.swap_in(into)
+        self.executor.swap_blocks(out, into)
         self.stats.num_blocks_swapped_out += len(out)
         self.stats.num_blocks_swapped_in += len(into)
+        self.metrics.observe_cache_ops(out, into)
         return len(out), len(into)
 
     async def GetStats(
@@ -185,7 +193,13 @@ def _fingerprint(request: pb.ExecuteRequest) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-async def _serve(executor: Executor, host: str, port: int) -> None:
+async def _serve(
+    executor: Executor,
+    host: str,
+    port: int,
+    registration: RegistrationOptions | None,
+    metrics_port: int = 0,
+) -> None:
     health = health_aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -205,7 +219,21 @@ async def _serve(executor: Executor, host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     log.info("executor.listening", address=f"{host}:{bound}", instance_id=service.stats.instance_id)
+    service.metrics.serve(host, metrics_port)
+    announcer = None
+    if registration is not None:
+        record = ExecutorRecord(
+            address=registration.address(host, bound),
+            model=executor.config.model,
+            block_size=executor.config.block_size,
+            instance_id=service.stats.instance_id,
+        )
+        announcer = Registration(registration, record)
+        heartbeat = asyncio.create_task(announcer.run(stop), name="registry-heartbeat")
     await stop.wait()
+    if announcer is not None:
+        await heartbeat
+        await announcer.drain()  # still SERVING: the leader finishes or moves our requests
     log.info("executor.stopping", grace_s=SHUTDOWN_GRACE_S)
     await health.enter_graceful_shutdown()
     # Refuses new calls and lets the running step finish; a step still running past the
@@ -214,15 +242,32 @@ async def _serve(executor: Executor, host: str, port: int) -> None:
     log.info("executor.stopped", num_steps=service.stats.num_steps)
 
 
-def serve(config: ExecutorConfig, host: str = "127.0.0.1", port: int = 50051) -> int:
-    """Load the model, then serve until SIGTERM or SIGINT; returns the exit status."""
-    log.info("executor.loading", model=config.model, device=config.device)
+def serve(
+    config: ExecutorConfig,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    registration: RegistrationOptions | None = None,
+    metrics_port: int = 9100,
+) -> int:
+    """Load the model, then serve until SIGTERM or SIGINT; returns the exit status.
+
+    With ``registration`` the executor announces itself in Redis and drains on SIGTERM.
+    Prometheus metrics are served on ``metrics_port`` (0: not at all).
+    """
+    log.info(
+        "executor.loading",
+        model=config.model,
+        device=config.device,
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
     start = time.perf_counter()
     executor = Executor(config)
     log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
     try:
-        asyncio.run(_serve(executor, host, port))
+        asyncio.run(_serve(executor, host, port, registration, metrics_port))
     except OSError as e:
         log.error("executor.failed", error=str(e))
         return 1
+    finally:
+        executor.close()  # the tensor-parallel workers, if any
     return 0

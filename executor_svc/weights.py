@@ -9,14 +9,22 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.parallel import Shard
 from pagedserve.model_files import load_config
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    shard: Shard | None = None,
 ) -> LlamaForCausalLM:
-    """Build the paged model from a checkpoint directory's safetensors files."""
+    """Build the paged model from a checkpoint directory's safetensors files; with a
+    ``shard``, only that tensor-parallel rank's slice of it."""
     config = load_config(path)
+    if shard is not None:
+        config = shard.shard_config(config)
     with torch.device(device):
         model = LlamaForCausalLM(config, max_positions).to(dtype)
     files = sorted(path.glob("*.safetensors"))
@@ -25,7 +33,10 @@ def load_model(
     with tqdm(desc="loading weights", unit="tensor", leave=False) as bar:
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as f:
-                model.load_hf_state_dict(_tracked(f, bar))
+                weights = _tracked(f, bar)
+                model.load_hf_state_dict(shard.shard_weights(weights) if shard else weights)
+    if shard is not None:
+        shard.add_all_reduces(model)
     return model.eval()
 
 

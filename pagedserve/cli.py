@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,7 +84,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
     )
-    for result in llm.generate(requests):
+    try:
+        results = llm.generate(requests)
+    finally:
+        llm.close()
+    for result in results:
         if args.json:
             outputs = [
                 {
@@ -113,6 +118,12 @@ def _add_executor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N worker processes (one GPU each); N divides the heads",
+    )
 
 
 def _executor_config(args: argparse.Namespace):  # -> ExecutorConfig, imported lazily
@@ -127,6 +138,7 @@ def _executor_config(args: argparse.Namespace):  # -> ExecutorConfig, imported l
         kv_cache_memory=args.kv_cache_memory,
         swap_space=args.swap_space,
         max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -140,6 +152,30 @@ def _add_executor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("executor", help="serve the model and the paged KV cache over gRPC")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--state-store",
+        default=None,
+        help="redis://HOST:PORT/DB: register there for schedulers to find (and drain on "
+        "SIGTERM); default: no registration, schedulers dial --executor",
+    )
+    p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
+    p.add_argument(
+        "--advertise-address",
+        default=os.environ.get("PAGEDSERVE_ADVERTISE_ADDRESS", ""),
+        help="HOST:PORT schedulers dial (env PAGEDSERVE_ADVERTISE_ADDRESS); default: --host:--port",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a SIGTERM'd executor keeps serving its requests before it exits",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9100,
+        help="serve Prometheus metrics on this port (0: off)",
+    )
     _add_executor_flags(p)
     p.set_defaults(func=_run_executor)
 
@@ -149,7 +185,23 @@ def _run_executor(args: argparse.Namespace) -> int:
     from pagedserve.log import configure_logging
 
     configure_logging()
-    return serve(_executor_config(args), host=args.host, port=args.port)
+    registration = None
+    if args.state_store is not None:
+        from executor_svc.registration import RegistrationOptions
+
+        registration = RegistrationOptions(
+            state_store=args.state_store,
+            namespace=args.namespace,
+            advertise_address=args.advertise_address,
+            drain_timeout_s=args.drain_timeout,
+        )
+    return serve(
+        _executor_config(args),
+        host=args.host,
+        port=args.port,
+        registration=registration,
+        metrics_port=args.metrics_port,
+    )
 
 
 def _add_api_flags(p: argparse.ArgumentParser) -> None:
@@ -173,18 +225,38 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_scheduler(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scheduler", help="run the engine loop and the OpenAI-compatible API")
-    p.add_argument("--executor", default="127.0.0.1:50051", help="executor HOST:PORT")
+    p.add_argument(
+        "--executor",
+        action="append",
+        default=None,
+        help="executor HOST:PORT, repeatable; default: the executors registered in "
+        "--state-store, else 127.0.0.1:50051",
+    )
     p.add_argument("--tokenizer", default=None, help="default: the executor's model")
+    p.add_argument(
+        "--routing",
+        choices=["prefix", "round-robin"],
+        default="prefix",
+        help="how a new request picks among several executors: the one holding the longest "
+        "prefix of its prompt, then the most free blocks; or each in turn",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=3.0,
+        help="with --state-store: seconds before a standby replica takes over from a "
+        "silent engine leader",
+    )
     _add_api_flags(p)
     p.set_defaults(func=_run_scheduler)
 
 
-def _scheduler_options(args: argparse.Namespace, executor: str):
+def _scheduler_options(args: argparse.Namespace, executors: list[str]):
     from pagedserve.settings import PreemptionMode
     from scheduler_svc.service import SchedulerOptions
 
     return SchedulerOptions(
-        executor=executor,
+        executors=tuple(executors),
         tokenizer=getattr(args, "tokenizer", None),
         max_num_seqs=args.max_num_seqs,
         preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
@@ -192,6 +264,8 @@ def _scheduler_options(args: argparse.Namespace, executor: str):
         state_store=args.state_store,
         namespace=args.namespace,
         grpc_port=args.grpc_port,
+        lease_ttl=getattr(args, "lease_ttl", 3.0),
+        routing=getattr(args, "routing", "prefix"),
     )
 
 
@@ -204,13 +278,19 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
     configure_logging()
     api = ApiConfig(host=args.host, port=args.port, api_key=args.api_key)
-    asyncio.run(serve(_scheduler_options(args, args.executor), api))
+    asyncio.run(serve(_scheduler_options(args, args.executor or []), api))
     return 0
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="executor and scheduler together on this machine")
     p.add_argument("--executor-port", type=int, default=50051)
+    p.add_argument(
+        "--executor-metrics-port",
+        type=int,
+        default=9100,
+        help="the executor's Prometheus metrics port (0: off)",
+    )
     _add_api_flags(p)
     _add_executor_flags(p)
     p.set_defaults(func=_run_serve)
@@ -233,12 +313,13 @@ def _run_serve(args: argparse.Namespace) -> int:
             "executor",
             "--port",
             str(args.executor_port),
+            f"--metrics-port={args.executor_metrics_port}",
             *flags,
         ]
     )
     try:
         return _run_scheduler(
-            argparse.Namespace(**vars(args), executor=f"127.0.0.1:{args.executor_port}")
+            argparse.Namespace(**vars(args), executor=[f"127.0.0.1:{args.executor_port}"])
         )
     finally:
         executor.terminate()

@@ -73,6 +73,10 @@ class OfflineLLM:
         )
         self.engine = LLMEngine(self.executor, cache_config, scheduler_config, info.eos_token_id)
 
+    def close(self) -> None:
+        """Stop the executor's tensor-parallel workers, if any (also done at exit)."""
+        self.executor.close()
+
     def encode(self, request: Request) -> list[int]:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)

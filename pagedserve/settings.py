@@ -83,17 +83,25 @@ class ExecutorConfig:
     )
     kv_cache_memory: int | None = field(
         default=None,
-        metadata=_help("KV pool size in bytes; default 1 GiB on CPU, 90% of free GPU memory"),
+        metadata=_help(
+            "KV pool size in bytes (per rank); default 1 GiB on CPU, 90% of free GPU memory"
+        ),
     )
-    swap_space: float = field(default=1.0, metadata=_help("CPU swap pool in GiB"))
+    swap_space: float = field(default=1.0, metadata=_help("CPU swap pool in GiB (per rank)"))
     max_model_len: int | None = field(
         default=None, metadata=_help("longest sequence; default: the model's own limit")
     )
     seed: int = field(default=0, metadata=_help("seed of unseeded sampling"))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_help("worker processes (one per GPU) splitting heads and MLP columns"),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16; got {self.dtype}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
@@ -111,7 +119,8 @@ class ApiConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=8000, metadata=_help("HTTP port"))
     api_key: str | None = field(
-        default=None, metadata=_help("when set, every route but /health requires it")
+        default=None,
+        metadata=_help("when set, every route but /health and the /dashboard page requires it"),
     )
     max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
     max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))

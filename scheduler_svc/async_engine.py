@@ -1,82 +1,268 @@
-"""The engine loop under asyncio: front doors submit requests and read per-request streams
-while the blocking steps run in a worker thread, one at a time."""
+"""The engine loop under asyncio, over one or many executors.
+
+Each executor has a lane (scheduler_svc/lanes.py) stepped by its own task in a worker
+thread, so executors run their steps concurrently and a slow one holds up no other. Front
+doors submit requests and read per-request streams; the router sends each new request to a
+lane, and a lane whose executor vanishes or drains hands its groups to the others, to be
+recomputed there.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import structlog
 
+from pagedserve.registry import ExecutorRegistry
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.engine import LLMEngine, StepOutcome
-from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.executor_client import StepRefused
+from scheduler_svc.journal import Journal, orphaned_groups
+from scheduler_svc.lanes import Lane, NewRequest
+from scheduler_svc.leader import Lease, LeaseKeeper
 from scheduler_svc.persistence import params_from_dict, params_to_dict
-from scheduler_svc.streams import RequestDelta
+from scheduler_svc.reconnect import ReconnectingExecutor
+from scheduler_svc.router import ROUTERS, Router
+from scheduler_svc.sequence import SequenceGroup
+from scheduler_svc.state_store import StaleEpochError, StateStore
+from scheduler_svc.step_observer import StepObserver
+from scheduler_svc.store_stream import StoreStream
+from scheduler_svc.streams import EngineDeadError, RequestDelta, RequestInFlightError
 
 log = structlog.get_logger(__name__)
 
+WATCH_S = 0.5  # longest an idle leader waits before looking at the registry again
+ROUTED_MEMORY = 1 << 16  # (request id, arrival) pairs remembered as already routed
+DRAIN_MARGIN_S = 3.0  # a draining executor's groups move this long before its deadline
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; requests in flight cannot complete in this process."""
+
+@dataclass(frozen=True)
+class Fleet:
+    """The executors a leader drives: named up front, found in the registry, or both."""
+
+    open_engine: Callable[[str], LLMEngine]  # blocking: connect, InitCache, build the engine
+    executors: tuple[str, ...] = ()
+    registry: ExecutorRegistry | None = None
 
 
-class RequestInFlightError(ValueError):
-    """Another client is already streaming this request id."""
+class _SteppedDown:
+    """Put in the local streams when this replica stops leading: follow the store now."""
+
+
+STEPPED_DOWN = _SteppedDown()
 
 
 class AsyncEngine:
-    """Feeds an LLMEngine from many coroutines and fans its steps out to request streams.
+    """Feeds the lanes from many coroutines and fans their steps out to request streams.
 
-    Adds and aborts are queued and applied by the engine thread between steps, so the
-    scheduler is only ever touched by one thread. With a journal, a request is written to
-    the store before it is accepted, and a client that comes back with the same request id
-    (after a restart, or a dropped connection) resumes from the events it already got.
+    With a store, a request is written there before it is accepted, and a client that
+    comes back with the same request id (after a restart, or a dropped connection)
+    resumes from the events it already got. With a lease, only the replica holding it runs
+    the lanes; the others (and this one, once it stops leading) serve their clients from
+    the store: requests in through the submission queue, tokens out through the events.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: SchedulerMetrics | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.store = engine.journal.store if engine.journal is not None else None
-        self._lock = threading.Lock()
-        self._incoming: list[tuple[str, list[int], SamplingParams, float]] = []
-        self._aborts: list[str] = []
-        self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+    def __init__(
+        self,
+        fleet: Fleet | LLMEngine,
+        observer: StepObserver | None = None,
+        store: StateStore | None = None,
+        lease: Lease | None = None,
+        template: LLMEngine | None = None,
+        routing: str = "prefix",
+    ) -> None:
+        """Args:
+        fleet: the executors, or one ready engine (in-process tests, no lease).
+        observer: sees each engine between its steps (metrics, the block map).
+        store: the shared state store; None keeps nothing (tests).
+        lease: leadership among replicas; None leads from the start.
+        template: an engine whose limits judge requests while no lane is open here.
+        routing: how new requests pick an executor: "prefix" or "round-robin".
+        """
+        if isinstance(fleet, LLMEngine):
+            engine = fleet
+            fleet = Fleet(lambda _: engine, ("",))
+            store = store or (engine.journal.store if engine.journal is not None else None)
+        self.fleet = fleet
+        self.observer = observer
+        self.store = store
+        self.template = template
+        self.keeper = LeaseKeeper(lease, self._on_lost) if lease is not None else None
+        self.follower = StoreStream(store) if store is not None else None
+        self._new_router = ROUTERS[routing]
+        self.router: Router = self._new_router()
+        self.lanes: dict[str, Lane] = {}
+        self.epoch = 0
+        self.leading = False
+        self._where: dict[str, Lane] = {}  # request id -> the lane running it
+        self._routed: OrderedDict[tuple[str, float], None] = OrderedDict()  # (id, arrival)
+        self._unrouted: list[NewRequest | tuple[SequenceGroup, int]] = []
+        self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException | _SteppedDown]] = {}
+        self._to_drop: set[str] = set()  # retired lanes whose groups await a new home
+        self._term_tasks: list[asyncio.Task] = []
+        self._campaign_task: asyncio.Task | None = None
+        self._lost = asyncio.Event()
+        self._stop_campaign = threading.Event()
+        self._started = False
+        self._dead: BaseException | None = None
+        self._no_lane_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    # -- lifecycle -------------------------------------------------------------------
+
     async def start(self) -> None:
-        """Recover what the store holds (replaying a step in flight), then start the loop."""
+        """Lead at once (no lease), or campaign for the lease in the background."""
         self._loop = asyncio.get_running_loop()
-        if self.store is not None:
-            await asyncio.to_thread(self.engine.recover)
-            await asyncio.to_thread(self.engine.flush)  # the replayed step's results
-            for request_id, record in self.store.pending_requests():
-                data = json.loads(record)
-                params = params_from_dict(data["params"])
-                self._incoming.append((request_id, data["prompt"], params, data["arrival"]))
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._started = True
+        if self.keeper is None:
+            epoch = await asyncio.to_thread(self.store.begin_epoch) if self.store else 0
+            await self._lead(epoch)
+        else:
+            self._campaign_task = asyncio.create_task(self._campaign(), name="campaign")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        self._stop_campaign.set()
+        tasks = [self._campaign_task] if self._campaign_task is not None else []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._end_term()
+        if self.keeper is not None:
+            await asyncio.to_thread(self.keeper.step_down)
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._started and self._dead is None
+
+    async def _campaign(self) -> None:
+        """Standby until the lease is ours, lead until it is lost, and again."""
+        while True:
+            epoch = await asyncio.to_thread(self.keeper.wait_for_leadership, self._stop_campaign)
+            if epoch is None:
+                return
+            self._lost.clear()
+            try:
+                await self._lead(epoch)
+            except (StaleEpochError, StepRefused) as e:  # fenced before the term began
+                log.warning("could not take over", error=str(e))
+                self._lost.set()
+            await self._lost.wait()
+            await self._end_term()
+            await asyncio.to_thread(self.keeper.step_down)
+
+    def _on_lost(self) -> None:
+        """Keeper thread: the lease is gone; stop stepping and follow the new leader."""
+        self._loop.call_soon_threadsafe(self._lost.set)
+
+    async def _lead(self, epoch: int) -> None:
+        """Open every executor's lane, recover what the store holds (replaying steps in
+        flight), take the requests waiting in the store, then start the loops."""
+        self.epoch = epoch
+        self.leading = True
+        for address in self.fleet.executors:
+            engine = await asyncio.to_thread(self.fleet.open_engine, address)
+            await self._open_lane(address, engine, start=False)
+        if self.fleet.registry is not None:
+            await self._sync_fleet(start=False)
+        if self.store is not None:
+            await self._adopt_orphans()
+            await self._take_submissions()
+        for lane in self.lanes.values():
+            self._start_lane(lane)
+        self._term_tasks.append(asyncio.create_task(self._watch(), name="engine-watch"))
+        self._no_lane_since = None if self.lanes else time.monotonic()
+        log.info("leading", epoch=epoch, executors=sorted(self.lanes))
+
+    async def _end_term(self) -> None:
+        """Stop the loops; clients streaming here continue from the store."""
+        if not self.leading:
+            return
+        self.leading = False
+        tasks = self._term_tasks + [lane.task for lane in self.lanes.values() if lane.task]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._term_tasks.clear()
+        if self.observer is not None:
+            for name in self.lanes:
+                self.observer.forget(name)
+        self.lanes.clear()
+        self._where.clear()
+        self._unrouted.clear()
+        self._routed.clear()
+        self._to_drop.clear()
+        self.router = self._new_router()
+        for queue in self._streams.values():
+            queue.put_nowait(STEPPED_DOWN)
+        log.info("stepped down", epoch=self.epoch)
+
+    def engines(self) -> dict[str, LLMEngine]:
+        return {name: lane.engine for name, lane in self.lanes.items()}
+
+    def has_unfinished(self) -> bool:
+        """Work anywhere: queued for a lane, in a lane, or waiting for an executor."""
+        return bool(self._unrouted) or any(lane.has_work() for lane in self.lanes.values())
+
+    async def _open_lane(self, name: str, engine: LLMEngine, start: bool = True) -> Lane:
+        """Recover the lane's state from the store under this leader's epoch and run it."""
+        if engine.journal is not None:
+            await asyncio.to_thread(engine.recover, self.epoch)
+            await asyncio.to_thread(engine.flush)
+        lane = Lane(name, engine)
+        self.lanes[name] = lane
+        if self.observer is not None:  # its pools show before its first step
+            self.observer.after_step(name, engine, StepOutcome())
+        sched = engine.scheduler
+        for group in sched.running + sched.waiting + sched.swapped:
+            self._where[group.request_id] = lane
+            self.router.record(group.seqs[0].prompt_token_ids, name)
+        if start:
+            self._start_lane(lane)
+        log.info("executor.joined", executor=name, lanes=len(self.lanes))
+        return lane
+
+    def _start_lane(self, lane: Lane) -> None:
+        lane.task = asyncio.create_task(self._run_lane(lane), name=f"lane-{lane.name}")
+        self._no_lane_since = None
+        unrouted, self._unrouted = self._unrouted, []
+        for item in unrouted:
+            self._route(item)
+        if not self._unrouted:
+            for name in self._to_drop:
+                self.store.drop_lane(name)
+            self._to_drop.clear()
+
+    # -- requests in -----------------------------------------------------------------
 
     def executor_unavailable_for(self) -> float:
-        """Seconds the executor has been unreachable (0 when it answers, or in process)."""
-        away = getattr(self.engine.executor, "unavailable_for", None)
-        return away() if away is not None else 0.0
+        """Seconds no executor has been able to take work (0 while one answers, or while
+        another replica leads)."""
+        if not self.leading:
+            return 0.0
+        if not self.lanes:
+            return 0.0 if self._no_lane_since is None else time.monotonic() - self._no_lane_since
+        aways = [
+            lane.engine.executor.unavailable_for()
+            if isinstance(lane.engine.executor, ReconnectingExecutor)
+            else 0.0
+            for lane in self.lanes.values()
+            if not lane.retiring
+        ]
+        return min(aways, default=0.0)
 
     def check(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raise RequestRejectedError now for a request that could never run."""
-        self.engine.scheduler.check_fits(prompt_len, params)
+        """Raise RequestRejectedError now for a request no executor could ever run."""
+        lanes = list(self.lanes.values())
+        if lanes and not any(lane.fits(prompt_len, params) for lane in lanes):
+            lanes[0].engine.scheduler.check_fits(prompt_len, params)
+        elif not lanes and self.template is not None:
+            self.template.scheduler.check_fits(prompt_len, params)
 
     async def generate(
         self,
@@ -91,17 +277,19 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
+        if not self.leading:
+            async for delta in self._follow(request_id, prompt_token_ids, params, after_event):
+                yield delta
+            return
         if request_id in self._streams:
             raise RequestInFlightError(f"request id {request_id!r} is already being streamed")
-        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestDelta | BaseException | _SteppedDown] = asyncio.Queue()
         self._streams[request_id] = queue
-        arrival = self._loop.time()
-        finished, last = False, after_event
+        arrival = time.time()  # wall clock: comparable between replicas and restarts
+        finished, last, handed_over = False, after_event, False
         try:
             if self._submit(request_id, prompt_token_ids, params, arrival):
-                with self._lock:
-                    self._incoming.append((request_id, prompt_token_ids, params, arrival))
-                self._wake.set()
+                self._route(NewRequest(request_id, prompt_token_ids, params, arrival))
             else:  # known: replay what was already produced, then follow live
                 for index, text in self.store.read_events(request_id, after_event):
                     delta = RequestDelta.from_json(text)
@@ -109,6 +297,9 @@ class AsyncEngine:
                     yield delta
             while not finished:
                 item = await queue.get()
+                if isinstance(item, _SteppedDown):
+                    handed_over = True
+                    break
                 if isinstance(item, BaseException):
                     raise item
                 if item.event <= last:
@@ -117,8 +308,19 @@ class AsyncEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not finished and not handed_over:
                 self.abort(request_id)
+        if handed_over:  # another replica leads now: its events come through the store
+            async for delta in self._follow(request_id, prompt_token_ids, params, last):
+                yield delta
+
+    async def _follow(
+        self, request_id: str, prompt: list[int], params: SamplingParams, after_event: int
+    ) -> AsyncIterator[RequestDelta]:
+        if self.follower is None:
+            raise EngineDeadError("this replica does not lead and has no store to follow")
+        async for delta in self.follower.generate(request_id, prompt, params, after_event):
+            yield delta
 
     def _submit(
         self, request_id: str, prompt: list[int], params: SamplingParams, arrival: float
@@ -132,52 +334,214 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request within one step; its stream, if any, ends with finish reason
         "abort". Returns whether a client was following it here."""
-        with self._lock:
-            self._aborts.append(request_id)
-        self._wake.set()
+        if not self.leading:
+            return self.follower is not None and self.follower.abort(request_id)
+        lane = self._where.get(request_id)
+        if lane is not None:
+            with lane.lock:
+                lane.aborts.append(request_id)
+            lane.wake.set()
+        else:
+            self._unrouted = [
+                item
+                for item in self._unrouted
+                if (item.request_id if isinstance(item, NewRequest) else item[0].request_id)
+                != request_id
+            ]
         return request_id in self._streams
 
-    async def _run(self) -> None:
+    def _route(self, item: NewRequest | tuple[SequenceGroup, int]) -> None:
+        """Queue a new request, or a group moved off another executor, on the best lane."""
+        if isinstance(item, NewRequest):
+            request_id, prompt, params = item.request_id, item.prompt, item.params
+        else:
+            group = item[0]
+            request_id, prompt = group.request_id, group.seqs[0].prompt_token_ids
+            params = group.sampling_params
+        room = {
+            name: lane.free_room()
+            for name, lane in self.lanes.items()
+            if not (lane.draining or lane.retiring) and lane.fits(len(prompt), params)
+        }
+        if not room:
+            self._unrouted.append(item)
+            return
+        lane = self.lanes[self.router.choose(prompt, room)]
+        self.router.record(prompt, lane.name)
+        self._where[request_id] = lane
+        with lane.lock:
+            if isinstance(item, NewRequest):
+                lane.incoming.append(item)
+                self._routed[(request_id, item.arrival)] = None
+                while len(self._routed) > ROUTED_MEMORY:
+                    self._routed.popitem(last=False)
+            else:
+                lane.arriving.append(item)
+                lane.moves_in_flight += 1
+        lane.wake.set()
+
+    async def _take_submissions(self) -> None:
+        """Requests other replicas (or a previous leader) accepted that no lane holds yet."""
+        for request_id, record in await asyncio.to_thread(self.store.pending_requests):
+            data = json.loads(record)
+            # Routed here already (the queue entry goes with the lane's next commit).
+            if (request_id, data["arrival"]) in self._routed or self._is_unrouted(request_id):
+                continue
+            params = params_from_dict(data["params"])
+            self._route(NewRequest(request_id, data["prompt"], params, data["arrival"]))
+
+    def _is_unrouted(self, request_id: str) -> bool:
+        return any(
+            (item.request_id if isinstance(item, NewRequest) else item[0].request_id) == request_id
+            for item in self._unrouted
+        )
+
+    async def _adopt_orphans(self) -> None:
+        """Lanes left in the store by executors that are gone: recompute their groups on
+        the live executors, then forget those lanes."""
+        for name in await asyncio.to_thread(self.store.lane_names):
+            if name in self.lanes:
+                continue
+            journal = Journal(self.store.lane(name))
+            state = await asyncio.to_thread(journal.begin, self.epoch)
+            groups = [g for g in orphaned_groups(state) if g.request_id not in self._where]
+            for group in groups:
+                events = await asyncio.to_thread(self.store.read_events, group.request_id)
+                for lane in self.lanes.values():
+                    lane.engine.seq_ids.advance_to(max(s.seq_id for s in group.seqs) + 1)
+                self._route((group, len(events)))
+            log.info("executor.orphans_adopted", executor=name, groups=len(groups))
+            self._to_drop.add(name)
+        if not self._unrouted:
+            for name in self._to_drop:
+                await asyncio.to_thread(self.store.drop_lane, name)
+            self._to_drop.clear()
+
+    # -- the loops -------------------------------------------------------------------
+
+    async def _run_lane(self, lane: Lane) -> None:
         try:
             while True:
-                if not self._has_work():
-                    await self._wake.wait()
-                self._wake.clear()
-                outcome = await asyncio.to_thread(self._step)
-                if not self._has_work():
-                    await asyncio.to_thread(self.engine.flush)
-                for delta in outcome.deltas:
-                    queue = self._streams.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-                if self.metrics is not None:
-                    self.metrics.update(self.engine)
+                if not lane.has_work():
+                    await lane.wake.wait()
+                lane.wake.clear()
+                outcome, moved = await asyncio.to_thread(lane.step)
+                if not lane.has_work():
+                    await asyncio.to_thread(lane.engine.flush)
+                self._publish(outcome)
+                if lane.retiring:
+                    await self._retire(lane, moved)
+                    return
+                if self.observer is not None:  # the lane's thread is between steps here
+                    self.observer.after_step(lane.name, lane.engine, outcome)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the loop is dead: fail every stream instead of hanging it
-            log.exception("engine loop failed")
-            for queue in self._streams.values():
-                queue.put_nowait(EngineDeadError(f"engine failed: {e}"))
+        except (StaleEpochError, StepRefused) as e:
+            if await self._fenced():  # a newer leader took over while we were away
+                log.warning("fenced off by a newer leader", executor=lane.name, error=str(e))
+                self._lost.set()
+                return
+            self._die(lane, e)
+            raise
+        except Exception as e:
+            self._die(lane, e)
             raise
 
-    def _has_work(self) -> bool:
-        with self._lock:
-            pending = bool(self._incoming or self._aborts)
-        return pending or self.engine.has_unfinished()
+    async def _fenced(self) -> bool:
+        if self.keeper is None or self.store is None:
+            return False
+        return await asyncio.to_thread(self.store.current_epoch) > self.epoch
 
-    def _step(self) -> StepOutcome:
-        """Engine thread: apply queued adds and aborts, then one step."""
-        with self._lock:
-            incoming, self._incoming = self._incoming, []
-            aborts, self._aborts = self._aborts, []
-        for request_id, prompt, params, arrival in incoming:
-            self.engine.add_request(request_id, prompt, params, arrival)
-        ended = []
-        for request_id in aborts:
-            group = self.engine.abort(request_id)
-            if group is not None:
-                log.info("request aborted", request_id=request_id)
-                ended.append(self.engine.streams.delta(group, {}, finished=True))
-        outcome = self.engine.step() if self.engine.has_unfinished() else StepOutcome()
-        outcome.deltas[:0] = [d for d in ended if d is not None]
-        return outcome
+    def _die(self, lane: Lane, e: Exception) -> None:
+        """The loop is dead: fail every stream instead of hanging it."""
+        log.error("engine loop failed", executor=lane.name, error=repr(e), exc_info=e)
+        self._dead = e
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(f"engine failed: {e}"))
+
+    def _publish(self, outcome: StepOutcome) -> None:
+        for delta in outcome.deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+            if delta.finished:
+                self._where.pop(delta.request_id, None)
+
+    async def _retire(self, lane: Lane, moved: list[tuple[SequenceGroup, int]]) -> None:
+        """The lane's executor is gone or drained: its groups go to the others."""
+        del self.lanes[lane.name]
+        self.router.forget(lane.name)
+        if self.observer is not None:
+            self.observer.forget(lane.name)
+        for group, num_events in moved:
+            self._where.pop(group.request_id, None)
+            self._route((group, num_events))
+        # The groups stay in the old lane's state until the new lanes committed them.
+        while any(other.moves_in_flight and not other.retiring for other in self.lanes.values()):
+            await asyncio.sleep(0.01)
+        log.info("executor.left", executor=lane.name, moved=len(moved), lanes=len(self.lanes))
+        if lane.name and self.store is not None:
+            self._to_drop.add(lane.name)
+            if not self._unrouted:
+                await asyncio.to_thread(self.store.drop_lane, lane.name)
+                self._to_drop.discard(lane.name)
+        if self.fleet.registry is not None:
+            await asyncio.to_thread(self.fleet.registry.release, lane.name)
+        if not self.lanes:
+            self._no_lane_since = time.monotonic()
+
+    async def _watch(self) -> None:
+        """Other replicas' submissions and aborts, and the registry's executors coming and
+        going, until the term ends."""
+        registry = self.fleet.registry
+        next_sync = 0.0
+        while True:
+            if self.store is not None:
+                await asyncio.to_thread(self.store.wait_for_work, WATCH_S)
+                # Aborts first, applied after the adds: an abort may name a request that
+                # was submitted an instant before it.
+                aborts = await asyncio.to_thread(self.store.take_aborts, self.epoch)
+                await self._take_submissions()
+                for request_id in aborts:
+                    self.abort(request_id)
+            else:
+                await asyncio.sleep(WATCH_S)
+            if registry is not None and time.monotonic() >= next_sync:
+                next_sync = time.monotonic() + registry.ttl_s / 3
+                await self._sync_fleet()
+
+    async def _sync_fleet(self, start: bool = True) -> None:
+        """Open lanes for new executors; drain or give up on the ones that go."""
+        registry = self.fleet.registry
+        try:
+            records, gone = await asyncio.to_thread(registry.executors)
+        except Exception as e:
+            log.warning("registry unreachable", error=str(e))
+            return
+        for name, lane in list(self.lanes.items()):
+            record = records.get(name)
+            if lane.retiring or (name not in records and name in self.fleet.executors):
+                continue
+            if record is None or name in gone:
+                log.warning("executor vanished; recomputing its requests", executor=name)
+                self._give_up(lane)
+            elif record.draining:
+                lane.draining = True
+                late = time.time() > record.drain_deadline - DRAIN_MARGIN_S
+                if late or not lane.has_work():
+                    self._give_up(lane)
+        for name, record in records.items():
+            if name in self.lanes or name in gone or record.draining:
+                continue
+            try:
+                engine = await asyncio.to_thread(self.fleet.open_engine, name)
+            except Exception as e:
+                log.warning("executor not usable", executor=name, error=str(e))
+                continue
+            await self._open_lane(name, engine, start=start)
+
+    def _give_up(self, lane: Lane) -> None:
+        lane.retiring = True
+        if isinstance(lane.engine.executor, ReconnectingExecutor):
+            lane.engine.executor.abandon()
+        lane.wake.set()

@@ -132,6 +132,10 @@ class BlockAllocator:
     def is_cached(self, block_id: BlockId) -> bool:
         return block_id in self._block_to_hash
 
+    def cached_block_ids(self) -> list[BlockId]:
+        """Blocks published under a content hash, held or idle (a copy, for readers)."""
+        return list(self._block_to_hash)
+
     def _forget(self, block_id: BlockId) -> None:
         del self._hash_to_block[self._block_to_hash.pop(block_id)]
         del self._block_tokens[block_id]

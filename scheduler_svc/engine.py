@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import CacheConfig, SchedulerConfig
+from pagedserve.settings import CacheConfig, PreemptionMode, SchedulerConfig
 from pagedserve.step import ExecuteStep, ExecutorRestarted, SeqStep, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import Detokenizer, find_stop
@@ -20,17 +21,25 @@ from scheduler_svc.streams import RequestDelta, StreamTracker
 
 
 class IdCounter:
-    """A counter whose next value can be read and reset (ids survive a restart)."""
+    """A counter whose next value can be read and reset (ids survive a restart); safe to
+    share between the engines of several executors, each stepped by its own thread."""
 
     def __init__(self, start: int = 0) -> None:
         self.value = start
+        self._lock = threading.Lock()
 
     def __iter__(self) -> IdCounter:
         return self
 
     def __next__(self) -> int:
-        self.value += 1
-        return self.value - 1
+        with self._lock:
+            self.value += 1
+            return self.value - 1
+
+    def advance_to(self, value: int) -> None:
+        """Never hand out an id below ``value`` (ids restored from the store)."""
+        with self._lock:
+            self.value = max(self.value, value)
 
 
 @dataclass(slots=True)
@@ -52,6 +61,7 @@ class StepOutcome:
     finished: list[SequenceGroup] = field(default_factory=list)
     text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
     deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
+    preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
 
 
 class StepExecutor(Protocol):
@@ -72,14 +82,19 @@ class LLMEngine:
         detokenizer: Detokenizer | None = None,
         journal: Journal | None = None,
         executor_instance: str = "",
+        seq_ids: IdCounter | None = None,
     ) -> None:
+        """Args:
+        seq_ids: the sequence id counter, shared by the engines of one leader's executors
+            so that a group keeps its ids when it moves to another executor.
+        """
         self.executor = executor
         self.detokenizer = detokenizer
         self.journal = journal
         self.executor_instance = executor_instance
         self.scheduler = Scheduler(scheduler_config, BlockManager.from_config(cache_config))
-        self._seq_ids = IdCounter()
-        self.processor = OutputProcessor(self.scheduler, eos_token_id, self._seq_ids)
+        self.seq_ids = seq_ids if seq_ids is not None else IdCounter()
+        self.processor = OutputProcessor(self.scheduler, eos_token_id, self.seq_ids)
         self._step_ids = IdCounter()
         self.epoch = 0
         self.stats = EngineStats()
@@ -93,8 +108,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> SequenceGroup:
         """Queue a request. Raises RequestRejectedError when it can never run."""
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(next(self.seq_ids), list(prompt_token_ids))
+        arrival = time.time() if arrival_time is None else arrival_time  # wall clock
         group = SequenceGroup(request_id, [seq], arrival, params)
         self.scheduler.add_seq_group(group)
         if self.journal is not None:
@@ -110,6 +125,25 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def evacuate(self) -> list[tuple[SequenceGroup, int]]:
+        """Take every unfinished group off this executor, reset to be recomputed elsewhere,
+        with the number of stream events each has emitted so far.
+
+        The groups stay in this engine's journal until the caller drops its lane, so a
+        crash while they move loses none of them.
+        """
+        self.scheduler.recompute_all()
+        moved, self.scheduler.waiting = self.scheduler.waiting, []
+        self.flush()  # the last step's events, before another engine continues the stream
+        return [(group, self.streams.forget(group)) for group in moved]
+
+    def attach(self, group: SequenceGroup, num_events: int) -> None:
+        """Continue a group evacuated from another executor (it waits to be recomputed)."""
+        self.scheduler.add_seq_group(group)
+        self.streams.restore(group, num_events)
+        if self.journal is not None:
+            self.journal.touch(group)
 
     def step(self) -> StepOutcome:
         """Run one step: schedule, persist, execute, append tokens, detokenize, persist."""
@@ -147,7 +181,7 @@ class LLMEngine:
         self, out: SchedulerOutput, step: ExecuteStep | None, result: StepResult | None
     ) -> StepOutcome:
         """Everything after Execute: tokens, forks, stops, text, events, commit 2."""
-        outcome = StepOutcome(finished=list(out.ignored))
+        outcome = StepOutcome(finished=list(out.ignored), preempted=list(out.preempted))
         if step is not None and result is not None:
             self._count(out, step)
             samples = {o.seq_id: o for o in result.outputs}
@@ -177,23 +211,25 @@ class LLMEngine:
     def _meta(self, step_id: int) -> dict[str, str]:
         return {
             "step_id": str(step_id),
-            "next_seq_id": str(self._seq_ids.value),
+            "next_seq_id": str(self.seq_ids.value),
             "executor_instance": self.executor_instance,
         }
 
-    def recover(self) -> StepOutcome | None:
+    def recover(self, epoch: int | None = None) -> StepOutcome | None:
         """Rebuild from the journal after a restart; replay the step in flight, if any.
 
+        Args:
+            epoch: the leader's fencing epoch; None takes a new one from the store.
         Returns that step's outcome (its events are persisted for resuming clients).
         """
-        state = self.journal.begin()
+        state = self.journal.begin(epoch)
         self.epoch = self.journal.epoch
         known = state.meta.get("executor_instance", self.executor_instance)
         kv_lost = known != self.executor_instance
         restored = restore_groups(self.scheduler, state, kv_lost)
         seq_ids = [s.seq_id for r in restored for s in r.group.seqs]
-        self._seq_ids.value = max(
-            [int(state.meta.get("next_seq_id", 0)), *(i + 1 for i in seq_ids)]
+        self.seq_ids.advance_to(
+            max([int(state.meta.get("next_seq_id", 0)), *(i + 1 for i in seq_ids)])
         )
         self._step_ids.value = int(state.meta.get("step_id", -1)) + 1
         for r in restored:

@@ -40,9 +40,10 @@ class Journal:
         self._crash_at = crash_point()
         self._num_steps = 0
 
-    def begin(self) -> StoredState:
-        """Take leadership (a new fencing epoch) and read back what the last one left."""
-        self.epoch = self.store.begin_epoch()
+    def begin(self, epoch: int | None = None) -> StoredState:
+        """Read back what the last leader left, under ``epoch`` (the caller's lease) or a
+        new fencing epoch taken here."""
+        self.epoch = self.store.begin_epoch() if epoch is None else epoch
         state = self.store.load()
         self._commit_ids = itertools.count(state.last_commit_id + 1)
         return state
@@ -130,10 +131,7 @@ def restore_groups(scheduler: Scheduler, state: StoredState, kv_lost: bool) -> l
     bm = scheduler.block_manager
     for r in restored:
         if kv_lost and r.queue != "waiting":
-            for seq in r.group.seqs:
-                if not seq.status.is_finished:
-                    seq.status = SequenceStatus.WAITING
-                    seq.num_computed_tokens = 0
+            reset_for_recompute(r.group)
             r.queue = "waiting"
         else:
             for seq in r.group.seqs:
@@ -143,3 +141,19 @@ def restore_groups(scheduler: Scheduler, state: StoredState, kv_lost: bool) -> l
         getattr(scheduler, r.queue).append(r.group)
     bm.check_integrity()
     return restored
+
+
+def reset_for_recompute(group: SequenceGroup) -> None:
+    """The group's K/V is gone: its unfinished sequences wait to be computed again."""
+    for seq in group.seqs:
+        if not seq.status.is_finished:
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+
+
+def orphaned_groups(state: StoredState) -> list[SequenceGroup]:
+    """The groups of a lane whose executor is gone, reset to be recomputed elsewhere."""
+    groups = [group_from_json(text).group for text in state.groups.values()]
+    for group in groups:
+        reset_for_recompute(group)
+    return sorted(groups, key=lambda g: g.arrival_time)

@@ -12,6 +12,11 @@ from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 log = structlog.get_logger(__name__)
 
 
+class ExecutorGone(RuntimeError):
+    """The executor was given up for good (it vanished from the registry or its drain
+    budget ran out): its groups must be recomputed on another executor."""
+
+
 class ReconnectingExecutor:
     """Resends a step until the executor answers again.
 
@@ -25,9 +30,16 @@ class ReconnectingExecutor:
         self.instance_id = instance_id
         self.poll_s = poll_s
         self.down_since: float | None = None  # monotonic time of the first failure
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Make the step in flight, or the next one, raise ExecutorGone instead of waiting."""
+        self.abandoned = True
 
     def execute(self, step: ExecuteStep) -> StepResult:
         while True:
+            if self.abandoned:
+                raise ExecutorGone(self.client.address)
             try:
                 result = self.client.execute(step)
                 self.down_since = None
@@ -42,6 +54,8 @@ class ReconnectingExecutor:
 
     def _reconnect(self) -> None:
         while True:
+            if self.abandoned:
+                raise ExecutorGone(self.client.address)
             try:
                 info = self.client.init_cache()  # allocates afresh on a new process
                 break

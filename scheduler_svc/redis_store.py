@@ -10,6 +10,18 @@ Key layout, every key under `{namespace}:` so deployments can share one Redis:
     queue                 list     submitted, not yet consumed request ids, oldest first
     request:{request_id}  string   the submitted record
     events:{request_id}   list     the request's output stream; event i is at index i - 1
+    lanes                 set      names of the executor lanes below
+    aborts                list     request ids any replica asked to abort, drained by the leader
+    wake                  list     at most one token: work arrived (BLPOP by an idle leader)
+    leader                string   the engine leader's replica id, with a TTL (leader.py)
+
+and one pub/sub channel, `events`: each commit publishes the events it appended,
+`{"index": [...], "events": [[request_id, event JSON], ...]}`, to the front doors
+following them (scheduler_svc/redis_notify.py).
+
+With several executors each engine lane commits through `lane(name)`, whose last_commit,
+meta, groups and pending_step live under `lane:{name}:` instead; the epoch, the queue,
+records and events stay shared.
 
 Groups live in one hash rather than a key each: `load()` is one HGETALL instead of a SCAN
 over the keyspace, and the commit script touches a fixed set of keys whatever the batch size.
@@ -20,18 +32,25 @@ Every key a script touches is passed in KEYS, as Redis asks of scripts.
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
+from typing import NoReturn
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
+from scheduler_svc.redis_notify import EventNotifier
 from scheduler_svc.state_store import StepCommit, StoredState, check_epoch
+from scheduler_svc.wakeups import OnEvents, wait_events
 
 # KEYS[1..6]: epoch, last_commit, meta, groups, pending_step, queue; then for the i-th id of
 # c.touched: KEYS[5 + 2i] its events list and KEYS[6 + 2i] its submitted record.
-# ARGV[1]: the commit as JSON; ARGV[2]: milliseconds a finished request's keys live (0: forever).
+# ARGV[1]: the commit as JSON; ARGV[2]: milliseconds a finished request's keys live (0: forever);
+# ARGV[3]: the events channel; ARGV[4]: c.events as JSON, published with their indices added
+# by concatenation: cjson.encode of the events would double the script's time.
 _COMMIT_LUA = """
 local c = cjson.decode(ARGV[1])
 local ttl_ms = tonumber(ARGV[2])
@@ -52,7 +71,8 @@ if c.pending_step then
 elseif c.clear_pending_step then
   redis.call('DEL', KEYS[5])
 end
-for _, e in ipairs(c.events) do redis.call('RPUSH', KEYS[slot[e[1]]], e[2]) end
+local indices = {}
+for i, e in ipairs(c.events) do indices[i] = redis.call('RPUSH', KEYS[slot[e[1]]], e[2]) end
 for _, rid in ipairs(c.consumed) do redis.call('LREM', KEYS[6], 0, rid) end
 for _, rid in ipairs(c.release) do
   local events_key, request_key = KEYS[slot[rid]], KEYS[slot[rid] + 1]
@@ -67,13 +87,19 @@ if ttl_ms > 0 then
     redis.call('PEXPIRE', KEYS[slot[rid] + 1], ttl_ms)
   end
 end
+if #indices > 0 then
+  redis.call('PUBLISH', ARGV[3], '{"index":[' .. table.concat(indices, ',') .. '],"events":'
+    .. ARGV[4] .. '}')
+end
 return 1
 """
 
-# KEYS: request record, queue. ARGV: request_id, record.
+# KEYS: request record, queue, wake. ARGV: request_id, record.
 _SUBMIT_LUA = """
 if redis.call('SET', KEYS[1], ARGV[2], 'NX') then
   redis.call('RPUSH', KEYS[2], ARGV[1])
+  redis.call('RPUSH', KEYS[3], '1')
+  redis.call('LTRIM', KEYS[3], -1, -1)
   return 1
 end
 return 0
@@ -86,6 +112,16 @@ if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 and not redis.call('LPOS', KEYS[
   redis.call('DEL', KEYS[2])
 end
 return 1
+"""
+
+
+# KEYS: epoch, aborts. ARGV: the caller's epoch.
+_TAKE_ABORTS_LUA = """
+local epoch = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) ~= epoch then return redis.error_reply('EPOCH_MISMATCH ' .. epoch) end
+local ids = redis.call('LRANGE', KEYS[2], 0, -1)
+redis.call('DEL', KEYS[2])
+return ids
 """
 
 
@@ -114,6 +150,9 @@ class RedisStateStore:
         if not namespace:
             raise ValueError("namespace must not be empty")
         self.namespace = namespace
+        self.url = url  # for the clients of leader.py and redis_notify.py
+        self.lane_name = ""  # "" is the root: a single executor's state
+        self._block_cap_s = socket_timeout_s / 2  # a BLPOP must end before the socket times out
         self._finished_ttl_ms = int(finished_ttl_s * 1000) if finished_ttl_s else 0
         self._redis = redis.Redis.from_url(
             url,
@@ -126,9 +165,35 @@ class RedisStateStore:
         self._commit = self._redis.register_script(_COMMIT_LUA)
         self._submit = self._redis.register_script(_SUBMIT_LUA)
         self._delete_events = self._redis.register_script(_DELETE_EVENTS_LUA)
+        self._take_aborts = self._redis.register_script(_TAKE_ABORTS_LUA)
+        self._notifier = EventNotifier(url, self._key("events"))  # shared by lane views
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.namespace, *parts))
+
+    def _lane_key(self, part: str) -> str:
+        """Keys of one engine lane: last_commit, meta, groups, pending_step."""
+        return self._key("lane", self.lane_name, part) if self.lane_name else self._key(part)
+
+    def lane(self, name: str) -> RedisStateStore:
+        """A view sharing this store's connections; see the module docstring for its keys."""
+        if not name:
+            raise ValueError("a lane needs a name")
+        view = copy.copy(self)
+        view.lane_name = name
+        self._redis.sadd(self._key("lanes"), name)
+        return view
+
+    def lane_names(self) -> list[str]:
+        return sorted(self._redis.smembers(self._key("lanes")))
+
+    def drop_lane(self, name: str) -> None:
+        view = self.lane(name)
+        pipe = self._redis.pipeline(transaction=True)
+        for part in ("last_commit", "meta", "groups", "pending_step"):
+            pipe.delete(view._lane_key(part))
+        pipe.srem(self._key("lanes"), name)
+        pipe.execute()
 
     def ping(self) -> bool:
         """True when Redis answers; False on a connection error or timeout."""
@@ -138,7 +203,8 @@ class RedisStateStore:
             return False
 
     def close(self) -> None:
-        """Close the pooled connections (the store reconnects on next use)."""
+        """Close the pooled connections and the event listener (both restart on next use)."""
+        self._notifier.close()
         self._redis.close()
 
     def begin_epoch(self) -> int:
@@ -152,10 +218,10 @@ class RedisStateStore:
         """Read everything in one MULTI, so the snapshot falls between two commits."""
         pipe = self._redis.pipeline(transaction=True)
         pipe.get(self._key("epoch"))
-        pipe.hget(self._key("last_commit"), "commit_id")
-        pipe.hgetall(self._key("meta"))
-        pipe.hgetall(self._key("groups"))
-        pipe.get(self._key("pending_step"))
+        pipe.hget(self._lane_key("last_commit"), "commit_id")
+        pipe.hgetall(self._lane_key("meta"))
+        pipe.hgetall(self._lane_key("groups"))
+        pipe.get(self._lane_key("pending_step"))
         epoch, last_commit_id, meta, groups, pending_step = pipe.execute()
         return StoredState(
             epoch=int(epoch or 0),
@@ -182,19 +248,18 @@ class RedisStateStore:
         }
         if commit.pending_step is not None:  # absent, not null: cjson's null is truthy in Lua
             payload["pending_step"] = commit.pending_step
-        keys = [self._key(k) for k in ("epoch", "last_commit", "meta", "groups")]
-        keys += [self._key("pending_step"), self._key("queue")]
+        keys = [self._key("epoch")]
+        keys += [self._lane_key(k) for k in ("last_commit", "meta", "groups", "pending_step")]
+        keys.append(self._key("queue"))
         for rid in touched:
             keys += [self._key("events", rid), self._key("request", rid)]
         # ensure_ascii=False hands cjson raw UTF-8 rather than \u escapes to re-encode.
         args = [json.dumps(payload, ensure_ascii=False), self._finished_ttl_ms]
+        args += [self._notifier.channel, json.dumps(commit.events, ensure_ascii=False)]
         try:
             return bool(self._commit(keys=keys, args=args))
         except ResponseError as err:
-            if not str(err).startswith("EPOCH_MISMATCH"):
-                raise
-            check_epoch(commit.epoch, int(str(err).split()[1]))
-            raise AssertionError(f"epoch check disagrees with the script: {err}") from err
+            _raise_epoch_mismatch(err, commit.epoch)
 
     def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
         start = max(after, 0)
@@ -204,12 +269,12 @@ class RedisStateStore:
     def delete_events(self, request_id: str) -> None:
         """DEL the output stream, and the record too when the group is gone and not queued."""
         keys = [self._key("events", request_id), self._key("request", request_id)]
-        keys += [self._key("groups"), self._key("queue")]
+        keys += [self._lane_key("groups"), self._key("queue")]
         self._delete_events(keys=keys, args=[request_id])
 
     def submit_request(self, request_id: str, record: str) -> bool:
         """SET NX the record and RPUSH its id to the queue in one script."""
-        keys = [self._key("request", request_id), self._key("queue")]
+        keys = [self._key("request", request_id), self._key("queue"), self._key("wake")]
         return bool(self._submit(keys=keys, args=[request_id, record]))
 
     def pending_requests(self) -> list[tuple[str, str]]:
@@ -222,3 +287,42 @@ class RedisStateStore:
 
     def get_request(self, request_id: str) -> str | None:
         return self._redis.get(self._key("request", request_id))
+
+    def request_abort(self, request_id: str) -> None:
+        """RPUSH the id to `aborts` and raise the wake token, in one MULTI."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.rpush(self._key("aborts"), request_id)
+        pipe.rpush(self._key("wake"), "1")
+        pipe.ltrim(self._key("wake"), -1, -1)
+        pipe.execute()
+
+    def take_aborts(self, epoch: int) -> list[str]:
+        """LRANGE and DEL `aborts` in one script, refused (StaleEpochError) to an old leader."""
+        keys = [self._key("epoch"), self._key("aborts")]
+        try:
+            ids = self._take_aborts(keys=keys, args=[epoch])
+        except ResponseError as err:
+            _raise_epoch_mismatch(err, epoch)
+        return list(dict.fromkeys(ids))
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """BLPOP the wake token; waits at most half the socket timeout, whatever `timeout_s`."""
+        if timeout_s <= 0:  # BLPOP's 0 means forever
+            return self._redis.lpop(self._key("wake")) is not None
+        timeout = min(timeout_s, self._block_cap_s)
+        return self._redis.blpop([self._key("wake")], timeout=timeout) is not None
+
+    def watch_events(self, request_id: str, on_events: OnEvents) -> Callable[[], None]:
+        """Subscribe (once per store) to the events channel; see redis_notify.py."""
+        return self._notifier.watch(request_id, on_events)
+
+    def wait_events(self, request_id: str, after: int, timeout_s: float) -> list[tuple[int, str]]:
+        return wait_events(self, request_id, after, timeout_s)
+
+
+def _raise_epoch_mismatch(err: ResponseError, epoch: int) -> NoReturn:
+    """Turn a script's EPOCH_MISMATCH reply into StaleEpochError or ValueError."""
+    if not str(err).startswith("EPOCH_MISMATCH"):
+        raise err
+    check_epoch(epoch, int(str(err).split()[1]))
+    raise AssertionError(f"epoch check disagrees with the script: {err}") from err

@@ -4,32 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
 import uvicorn
 
 from pagedserve.model_files import load_tokenizer, resolve_model
+from pagedserve.registry import ExecutorRegistry
 from pagedserve.settings import ApiConfig, CacheConfig, PreemptionMode, SchedulerConfig
+from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, ModelCard, build_app
-from scheduler_svc.async_engine import AsyncEngine
+from scheduler_svc.async_engine import AsyncEngine, Fleet
 from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.engine import LLMEngine
+from scheduler_svc.engine import IdCounter, LLMEngine
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.journal import Journal
+from scheduler_svc.leader import lease_for
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.reconnect import ReconnectingExecutor
 from scheduler_svc.redis_store import RedisStateStore
 from scheduler_svc.state_store import InMemoryStateStore, StateStore
+from scheduler_svc.step_observer import StepObservers
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class SchedulerOptions:
-    executor: str = "127.0.0.1:50051"
-    tokenizer: str | None = None  # default: the executor's model
+    executors: tuple[str, ...] = ()  # HOST:PORT each; default: registered ones, else local
+    tokenizer: str | None = None  # default: the executors' model
     connect_timeout: float = 600.0  # the executor may still be loading its model
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -38,46 +43,70 @@ class SchedulerOptions:
     state_store: str | None = None  # redis://HOST:PORT/DB; default: in this process
     namespace: str = "pagedserve"  # Redis key prefix of this deployment
     grpc_port: int | None = None  # the gRPC Generate front door; None: HTTP only
+    lease_ttl: float = 3.0  # seconds a silent engine leader keeps the lease (with Redis)
+    routing: str = "prefix"  # or "round-robin": how a new request picks its executor
 
 
-def build_engine(options: SchedulerOptions) -> tuple[LLMEngine, ModelCard, object]:
-    """Wait for the executor, size the block manager from its pools, load the tokenizer."""
-    client = ExecutorClient(options.executor)
-    _wait_for_answer(client, options.connect_timeout)
-    info = client.init_cache()  # idempotent: a restarted scheduler gets the same pools
-    tokenizer = load_tokenizer(resolve_model(options.tokenizer or info.model))
-    if tokenizer is None:
-        raise ValueError(f"no tokenizer for {info.model}: pass --tokenizer PATH")
-    cache_config = CacheConfig(
-        block_size=info.block_size,
-        num_gpu_blocks=info.num_gpu_blocks,
-        num_cpu_blocks=info.num_cpu_blocks,
-        enable_prefix_caching=options.enable_prefix_caching,
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=options.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens or max(8192, info.max_model_len),
-        max_model_len=info.max_model_len,
-        preemption_mode=options.preemption_mode,
-    )
-    engine = LLMEngine(
-        ReconnectingExecutor(client, info.instance_id),
-        cache_config,
-        scheduler_config,
-        info.eos_token_id,
-        Detokenizer(tokenizer),
-        Journal(open_store(options)),
-        executor_instance=info.instance_id,
-    )
-    card = ModelCard(info.model, info.vocab_size, info.max_model_len)
-    log.info(
-        "engine ready",
-        executor=options.executor,
-        model=info.model,
-        gpu_blocks=info.num_gpu_blocks,
-        cpu_blocks=info.num_cpu_blocks,
-    )
-    return engine, card, tokenizer
+class EngineFactory:
+    """Builds the engine of each executor: the same model, tokenizer and id counter for
+    all, each with its own block manager sized from that executor's pools."""
+
+    def __init__(self, options: SchedulerOptions, store: StateStore, root_lane: str = "") -> None:
+        """Args:
+        root_lane: the executor whose state keeps the store's top-level keys (the
+            single-executor layout); every other executor gets a lane of its own.
+        """
+        self.options = options
+        self.store = store
+        self.root_lane = root_lane
+        self.seq_ids = IdCounter()
+        self.tokenizer = None
+        self.card: ModelCard | None = None
+
+    def open_engine(self, address: str) -> LLMEngine:
+        """Wait for the executor, allocate its pools (idempotent), build its engine."""
+        options = self.options
+        client = ExecutorClient(address)
+        _wait_for_answer(client, options.connect_timeout)
+        info = client.init_cache()  # a restarted scheduler gets the same pools
+        if self.card is None:
+            tokenizer = load_tokenizer(resolve_model(options.tokenizer or info.model))
+            if tokenizer is None:
+                raise ValueError(f"no tokenizer for {info.model}: pass --tokenizer PATH")
+            self.tokenizer = tokenizer
+            self.card = ModelCard(info.model, info.vocab_size, info.max_model_len)
+        elif info.model != self.card.name:
+            raise ValueError(f"executor {address} serves {info.model}, not {self.card.name}")
+        cache_config = CacheConfig(
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
+            enable_prefix_caching=options.enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens or max(8192, info.max_model_len),
+            max_model_len=info.max_model_len,
+            preemption_mode=options.preemption_mode,
+        )
+        store = self.store if address == self.root_lane else self.store.lane(address)
+        log.info(
+            "executor ready",
+            executor=address,
+            model=info.model,
+            gpu_blocks=info.num_gpu_blocks,
+            cpu_blocks=info.num_cpu_blocks,
+        )
+        return LLMEngine(
+            ReconnectingExecutor(client, info.instance_id),
+            cache_config,
+            scheduler_config,
+            info.eos_token_id,
+            Detokenizer(self.tokenizer),
+            Journal(store),
+            executor_instance=info.instance_id,
+            seq_ids=self.seq_ids,
+        )
 
 
 def open_store(options: SchedulerOptions) -> StateStore:
@@ -105,14 +134,45 @@ def _wait_for_answer(client: ExecutorClient, timeout: float) -> None:
             time.sleep(0.2)
 
 
+def _first_registered(registry: ExecutorRegistry, timeout: float) -> str:
+    """The address of some live registered executor, waiting for one to register."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records, gone = registry.executors()
+        live = sorted(a for a, r in records.items() if a not in gone and not r.draining)
+        if live:
+            return live[0]
+        if time.monotonic() > deadline:
+            raise ValueError(f"no executor registered in Redis within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
     """Run until SIGINT or SIGTERM, then stop the HTTP server and the engine loop."""
-    engine, card, tokenizer = await asyncio.to_thread(build_engine, options)
-    metrics = SchedulerMetrics()
-    metrics.update(engine)
-    async_engine = AsyncEngine(engine, metrics)
+    # Lane steps, store and registry calls each hold a worker thread while they wait.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(64, "pagedserve"))
+    store = open_store(options)
+    registry = None
+    if options.state_store is not None:
+        registry = ExecutorRegistry(options.state_store, options.namespace)
+    executors = options.executors
+    if not executors and registry is None:
+        executors = ("127.0.0.1:50051",)
+    factory = EngineFactory(options, store, root_lane=executors[0] if len(executors) == 1 else "")
+    # The model and tokenizer of the first executor; its engine judges requests while
+    # this replica leads no lane.
+    first = executors[0] if executors else None
+    if first is None:
+        first = await asyncio.to_thread(_first_registered, registry, options.connect_timeout)
+    template = await asyncio.to_thread(factory.open_engine, first)
+    fleet = Fleet(factory.open_engine, executors, registry)
+    lease = lease_for(store, options.lease_ttl) if registry is not None else None
+    metrics, dashboard = SchedulerMetrics(), Dashboard()
+    observers = StepObservers([metrics, dashboard])
+    async_engine = AsyncEngine(fleet, observers, store, lease, template, options.routing)
     await async_engine.start()
-    app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render)
+    tokenizer, card = factory.tokenizer, factory.card
+    app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render, dashboard)
     frontdoor = None
     if options.grpc_port is not None:
         servicer = FrontDoorServicer(async_engine, tokenizer, card, api_config)

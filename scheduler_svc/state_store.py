@@ -15,13 +15,21 @@ Rules shared by both stores:
   consumed submissions.
 * A submitted record lives while its request is queued, has a group, or has events; the
   commit or `delete_events` that ends the last of these drops it (its id may then be reused).
+* Replicas: any replica submits requests, asks for aborts and follows events; only the
+  leader takes aborts (fenced by its epoch, so a deposed leader cannot swallow them). It
+  takes them before it reads `pending_requests()` and applies them after adding those, so an
+  abort is never seen before its request. Aborts taken by a leader that dies before its next
+  commit are lost: those requests run to their end.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from scheduler_svc.wakeups import OnEvents, Watchers, WorkSignal, wait_events
 
 
 class StaleEpochError(RuntimeError):
@@ -102,6 +110,42 @@ class StateStore(Protocol):
 
     def get_request(self, request_id: str) -> str | None: ...
 
+    def request_abort(self, request_id: str) -> None:
+        """Ask the leader, from any replica, to abort a request (unknown ids are dropped)."""
+        ...
+
+    def take_aborts(self, epoch: int) -> list[str]:
+        """Drain the abort requests, oldest first, once each. Raises StaleEpochError."""
+        ...
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block an idle leader until a submission or abort request arrives (True) or
+        `timeout_s` passes (False; may come early). Consumes the signal."""
+        ...
+
+    def watch_events(self, request_id: str, on_events: OnEvents) -> Callable[[], None]:
+        """Pass the request's events to `on_events` as they are committed (None: some may
+        have been missed, read them); any thread, so it must be quick and never block.
+        Register before reading to miss nothing. Returns the unwatch function."""
+        ...
+
+    def wait_events(self, request_id: str, after: int, timeout_s: float) -> list[tuple[int, str]]:
+        """`read_events(request_id, after)` as soon as it is not empty, or [] after timeout_s."""
+        ...
+
+    def lane(self, name: str) -> StateStore:
+        """A view for one executor's engine: own groups, meta, pending step and commit
+        order; shared epoch, submissions and events."""
+        ...
+
+    def lane_names(self) -> list[str]:
+        """Lanes opened so far (and not dropped), for a new leader to recover."""
+        ...
+
+    def drop_lane(self, name: str) -> None:
+        """Delete a retired lane's state."""
+        ...
+
 
 def check_epoch(commit_epoch: int, store_epoch: int) -> None:
     """Raise unless a commit's epoch is the store's current one."""
@@ -119,6 +163,8 @@ class InMemoryStateStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._root = self  # lane views share the epoch, requests and events with it
+        self._lanes: dict[str, InMemoryStateStore] = {}
         self._epoch = 0
         self._last_commit = (0, 0)  # (epoch, commit_id) of the last applied commit
         self._meta: dict[str, str] = {}
@@ -127,6 +173,30 @@ class InMemoryStateStore:
         self._events: dict[str, list[str]] = {}
         self._records: dict[str, str] = {}
         self._queue: dict[str, None] = {}  # an ordered set of request ids
+        self._aborts: list[str] = []  # this and below: used on the root only
+        self._work = WorkSignal()
+        self._watchers = Watchers()
+
+    def lane(self, name: str) -> InMemoryStateStore:
+        """The view one executor's engine commits through: its own groups, meta, pending
+        step and commit order; the epoch, submissions and events of the whole store."""
+        root = self._root
+        with root._lock:
+            if name not in root._lanes:
+                view = InMemoryStateStore()
+                view._lock, view._root = root._lock, root
+                view._events, view._records, view._queue = root._events, root._records, root._queue
+                root._lanes[name] = view
+            return root._lanes[name]
+
+    def lane_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._root._lanes)
+
+    def drop_lane(self, name: str) -> None:
+        """Forget a retired executor's lane (its groups were moved to other lanes first)."""
+        with self._lock:
+            self._root._lanes.pop(name, None)
 
     def ping(self) -> bool:
         return True
@@ -134,17 +204,17 @@ class InMemoryStateStore:
     def begin_epoch(self) -> int:
         """Increment the epoch; commits from older epochs are refused from now on."""
         with self._lock:
-            self._epoch += 1
-            return self._epoch
+            self._root._epoch += 1
+            return self._root._epoch
 
     def current_epoch(self) -> int:
         with self._lock:
-            return self._epoch
+            return self._root._epoch
 
     def load(self) -> StoredState:
         with self._lock:
             return StoredState(
-                epoch=self._epoch,
+                epoch=self._root._epoch,
                 last_commit_id=self._last_commit[1],
                 meta=dict(self._meta),
                 groups=dict(self._groups),
@@ -157,7 +227,7 @@ class InMemoryStateStore:
         Every check runs before the first mutation, so a refused commit changes nothing.
         """
         with self._lock:
-            check_epoch(commit.epoch, self._epoch)
+            check_epoch(commit.epoch, self._root._epoch)
             if (commit.epoch, commit.commit_id) <= self._last_commit:
                 return False
             self._last_commit = (commit.epoch, commit.commit_id)
@@ -169,12 +239,15 @@ class InMemoryStateStore:
                 self._pending_step = commit.pending_step
             elif commit.clear_pending_step:
                 self._pending_step = None
+            pushed = []
             for rid, event in commit.events:
                 self._events.setdefault(rid, []).append(event)
+                pushed.append((rid, len(self._events[rid]), event))
             for rid in commit.new_requests_consumed:
                 self._queue.pop(rid, None)
             for rid in dict.fromkeys(commit.delete_groups + commit.new_requests_consumed):
                 self._release_if_unused(rid)
+            self._root._watchers.push(pushed)
             return True
 
     def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
@@ -196,7 +269,8 @@ class InMemoryStateStore:
                 return False
             self._records[request_id] = record
             self._queue[request_id] = None
-            return True
+        self._root._work.notify()
+        return True
 
     def pending_requests(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -205,6 +279,26 @@ class InMemoryStateStore:
     def get_request(self, request_id: str) -> str | None:
         with self._lock:
             return self._records.get(request_id)
+
+    def request_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._root._aborts.append(request_id)
+        self._root._work.notify()
+
+    def take_aborts(self, epoch: int) -> list[str]:
+        with self._lock:
+            check_epoch(epoch, self._root._epoch)
+            aborts, self._root._aborts = self._root._aborts, []
+        return list(dict.fromkeys(aborts))
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        return self._root._work.wait(timeout_s)
+
+    def watch_events(self, request_id: str, on_events: OnEvents) -> Callable[[], None]:
+        return self._root._watchers.add(request_id, on_events)
+
+    def wait_events(self, request_id: str, after: int, timeout_s: float) -> list[tuple[int, str]]:
+        return wait_events(self, request_id, after, timeout_s)
 
     def _release_if_unused(self, request_id: str) -> None:
         in_use = (

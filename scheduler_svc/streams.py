@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 from scheduler_svc.sequence import Sequence, SequenceGroup
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; requests in flight cannot complete in this process."""
+
+
+class RequestInFlightError(ValueError):
+    """Another client is already streaming this request id."""
+
+
 @dataclass(slots=True)
 class SeqDelta:
     """What one output (``index``) gained since the last event."""
@@ -60,6 +68,12 @@ class StreamTracker:
         self._events[group.request_id] = num_events
         for seq in group.seqs:
             self._sent[seq.seq_id] = (len(seq.output_token_ids), seq.status.is_finished)
+
+    def forget(self, group: SequenceGroup) -> int:
+        """Stop tracking a group handed to another engine; returns its events so far."""
+        for seq in group.seqs:
+            self._sent.pop(seq.seq_id, None)
+        return self._events.pop(group.request_id, 0)
 
     def delta(
         self, group: SequenceGroup, text_deltas: dict[int, str], finished: bool

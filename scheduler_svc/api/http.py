@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics."""
+"""The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics,
+and the live block map."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.admission import check_executor, check_fits, tokenize_prompt
+from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
 from scheduler_svc.api.protocol import APIError, ParsedRequest, parse_completion, parse_json
-from scheduler_svc.async_engine import AsyncEngine, RequestInFlightError
+from scheduler_svc.async_engine import AsyncEngine, EngineDeadError, RequestInFlightError
 from scheduler_svc.streams import RequestDelta
 
 
@@ -235,13 +237,22 @@ def _event(event_id: str | None, payload: dict[str, Any]) -> str:
     return f"{head}data: {json.dumps(payload)}\n\n"
 
 
-def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
-    """The FastAPI application; ``metrics`` renders /metrics (Prometheus text)."""
+OPEN_PATHS = ("/health", "/dashboard")  # no API key: no request data behind them
+
+
+def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None = None) -> FastAPI:
+    """The FastAPI application; ``metrics`` renders /metrics (Prometheus text),
+    ``dashboard`` serves the block map at /dashboard."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestInFlightError)
     async def conflict(_: Request, e: RequestInFlightError) -> JSONResponse:
         return JSONResponse(APIError(409, str(e), code="conflict").body(), status_code=409)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        error = APIError(503, str(e), code="engine_unavailable", type="server_error")
+        return JSONResponse(error.body(), status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -256,7 +267,7 @@ def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
     async def authenticate(request: Request, call_next):
         key = api.config.api_key
         sent = request.headers.get("authorization", "")
-        if key and request.url.path != "/health" and sent != f"Bearer {key}":
+        if key and request.url.path not in OPEN_PATHS and sent != f"Bearer {key}":
             error = APIError(
                 401,
                 "invalid or missing API key (Authorization: Bearer ...)",
@@ -268,7 +279,10 @@ def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if api.engine.is_running:
-            return JSONResponse({"status": "ok"})
+            engine = api.engine
+            return JSONResponse(
+                {"status": "ok", "leading": engine.leading, "executors": sorted(engine.lanes)}
+            )
         return JSONResponse({"status": "engine stopped"}, status_code=503)
 
     @app.get("/v1/models")
@@ -295,4 +309,6 @@ def build_app(api: Api, metrics: Any | None = None) -> FastAPI:
         text = metrics() if metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    if dashboard is not None:
+        add_dashboard_routes(app, dashboard)
     return app

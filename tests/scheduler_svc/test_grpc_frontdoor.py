@@ -85,12 +85,12 @@ async def collect(call: Any) -> list[pb.GenerateResponse]:
 
 
 def used_blocks(engine: AsyncEngine) -> int:
-    return engine.engine.scheduler.block_manager.gpu.num_used_blocks
+    return sum(e.scheduler.block_manager.gpu.num_used_blocks for e in engine.engines().values())
 
 
 async def blocks_freed(engine: AsyncEngine, within: float = 5.0) -> bool:
     deadline = time.monotonic() + within
-    while used_blocks(engine) or engine.engine.has_unfinished():
+    while used_blocks(engine) or engine.has_unfinished():
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.05)
@@ -181,7 +181,7 @@ def test_bad_inputs_are_invalid_argument_naming_the_field(executor):
                     await collect(stub.Generate(request))
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
                 assert expected in info.value.details(), (expected, info.value.details())
-        assert not engine.engine.has_unfinished() and used_blocks(engine) == 0
+        assert not engine.has_unfinished() and used_blocks(engine) == 0
 
     run(body())
 

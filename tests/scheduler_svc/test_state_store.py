@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -57,10 +58,13 @@ def _redis_store(namespace: str) -> RedisStateStore:
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> StateStore:
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
     if request.param == "memory":
-        return InMemoryStateStore()
-    return _redis_store(request.getfixturevalue("namespace"))
+        yield InMemoryStateStore()
+        return
+    redis_store = _redis_store(request.getfixturevalue("namespace"))
+    yield redis_store
+    redis_store.close()  # stops its event listener thread, if a test started one
 
 
 def ev(i: int) -> str:
@@ -330,3 +334,139 @@ def test_redis_finished_request_keys_expire(namespace: str) -> None:
     client = _redis_client()
     for key in (f"{namespace}:events:r", f"{namespace}:request:r"):
         assert 0 < client.pttl(key) <= 3600 * 1000
+
+
+def test_aborts_are_taken_once_in_order(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    assert store.take_aborts(epoch) == []
+    for rid in ("a", "b", "a", "c"):
+        store.request_abort(rid)
+    assert store.take_aborts(epoch) == ["a", "b", "c"]
+    assert store.take_aborts(epoch) == []
+
+
+def test_take_aborts_is_fenced(store: StateStore) -> None:
+    """A deposed leader must not swallow the aborts its successor has to apply."""
+    old = store.begin_epoch()
+    store.request_abort("r")
+    new = store.begin_epoch()
+    with pytest.raises(StaleEpochError):
+        store.take_aborts(old)
+    with pytest.raises(ValueError, match="begin_epoch"):
+        store.take_aborts(new + 1)
+    assert store.take_aborts(new) == ["r"]
+
+
+def test_wait_for_work_wakes_on_submissions_and_aborts(store: StateStore) -> None:
+    assert not store.wait_for_work(0.05)
+    store.submit_request("r1", "{}")
+    store.submit_request("r2", "{}")
+    assert store.wait_for_work(0.05)
+    assert not store.wait_for_work(0.05)  # one wake for both: the leader reads the whole queue
+    assert not store.submit_request("r1", "{}") and not store.wait_for_work(0.05)
+    store.request_abort("r1")
+    assert store.wait_for_work(0)
+
+    later = threading.Timer(0.1, store.submit_request, args=("r3", "{}"))
+    later.start()
+    start = time.monotonic()
+    assert store.wait_for_work(2.0)
+    assert time.monotonic() - start < 1.0
+    later.join()  # before the fixture closes the store under its call
+
+
+def test_wait_events(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    store.commit(StepCommit(epoch, 1, events=[("r", ev(1)), ("r", ev(2))]))
+    assert store.wait_events("r", 0, 5.0) == [(1, ev(1)), (2, ev(2))]  # already there
+    start = time.monotonic()
+    assert store.wait_events("r", 2, 0.1) == []
+    assert time.monotonic() - start >= 0.1
+
+    commit = StepCommit(epoch, 2, events=[("other", ev(1)), ("r", ev(3))])
+    later = threading.Timer(0.2, store.commit, args=(commit,))
+    later.start()
+    start = time.monotonic()
+    assert store.wait_events("r", 2, 5.0) == [(3, ev(3))]
+    assert time.monotonic() - start < 1.0
+    later.join()
+
+
+class Inbox:
+    """A watch callback that keeps what it was handed."""
+
+    def __init__(self) -> None:
+        self.got: list[list[tuple[int, str]] | None] = []
+        self.arrived = threading.Event()
+
+    def __call__(self, events: list[tuple[int, str]] | None) -> None:
+        self.got.append(events)
+        self.arrived.set()
+
+    def wait(self, timeout_s: float) -> list[list[tuple[int, str]] | None]:
+        """What arrived within `timeout_s` (waiting only for the first), emptying the inbox."""
+        self.arrived.wait(timeout_s)
+        time.sleep(0.05)  # let the rest of one commit's pushes land
+        got, self.got = self.got, []
+        self.arrived.clear()
+        return got
+
+
+def test_watchers_get_the_events_of_their_request(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    a, b = Inbox(), Inbox()
+    unwatch_a = store.watch_events("a", a)
+    store.watch_events("b", b)
+    odd = 'ünï "cödé" \\ / \n \u0000 🦙'
+    store.commit(StepCommit(epoch, 1, events=[("a", ev(1)), ("c", ev(1)), ("a", odd)]))
+    assert a.wait(2.0) == [[(1, ev(1)), (2, odd)]]  # one call per commit
+    assert store.read_events("a") == [(1, ev(1)), (2, odd)]
+    assert b.wait(0.1) == []
+
+    unwatch_a()
+    store.commit(StepCommit(epoch, 2, upsert_groups={"b": "{}"}))  # no events: no call
+    assert b.wait(0.1) == []
+    store.commit(StepCommit(epoch, 3, events=[("a", ev(3)), ("b", ev(1))]))
+    assert b.wait(2.0) == [[(1, ev(1))]]
+    assert a.wait(0.1) == []
+    # A refused commit (and a retry) pushes nothing.
+    assert not store.commit(StepCommit(epoch, 3, events=[("b", ev(2))]))
+    store.begin_epoch()
+    with pytest.raises(StaleEpochError):
+        store.commit(StepCommit(epoch, 4, events=[("b", ev(2))]))
+    assert b.wait(0.1) == []
+
+
+def test_lane_commits_reach_watchers_of_the_whole_store(store: StateStore) -> None:
+    """Followers watch a request wherever it runs: lanes share events, aborts and wakes."""
+    lane = store.lane("executor-0")
+    inbox = Inbox()
+    store.watch_events("r", inbox)
+    epoch = lane.begin_epoch()
+    lane.commit(StepCommit(epoch, 1, events=[("r", ev(1))]))
+    assert inbox.wait(2.0) == [[(1, ev(1))]]
+    assert store.wait_events("r", 0, 1.0) == [(1, ev(1))]
+    lane.request_abort("r")
+    assert store.wait_for_work(0.5)
+    assert store.take_aborts(epoch) == ["r"]
+
+
+@pytest.mark.redis
+def test_redis_listener_reconnects_and_tells_every_watcher(namespace: str) -> None:
+    """Pub/sub loses what is published while disconnected: after a reconnect every watcher
+    hears that it may have missed events."""
+    store = _redis_store(namespace)
+    client = _redis_client()
+    try:
+        epoch = store.begin_epoch()
+        inbox = Inbox()
+        store.watch_events("r", inbox)
+        listener = [c for c in client.client_list() if c["name"] == f"listener:{namespace}:events"]
+        assert len(listener) == 1
+        client.client_kill_filter(_id=listener[0]["id"])
+        assert inbox.wait(5.0) == [None]
+        store.commit(StepCommit(epoch, 1, events=[("r", ev(1))]))
+        assert inbox.wait(2.0) == [[(1, ev(1))]]
+    finally:
+        store.close()
+        client.close()

@@ -1,0 +1,99 @@
+"""One lane per executor: the engine that drives it and what waits to enter it.
+
+A lane's engine (its scheduler, block manager and journal) is only ever touched by the
+thread that steps it; other coroutines hand it work through the lane's lists under its
+lock, and wake it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+from scheduler_svc.engine import LLMEngine, StepOutcome
+from scheduler_svc.reconnect import ExecutorGone
+from scheduler_svc.scheduler import RequestRejectedError
+from scheduler_svc.sequence import SequenceGroup
+from scheduler_svc.streams import RequestDelta
+
+
+@dataclass(slots=True)
+class NewRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+
+
+@dataclass(eq=False)
+class Lane:
+    """An executor, its engine, and the adds, moves and aborts queued for its next step."""
+
+    name: str  # the executor's address
+    engine: LLMEngine
+    draining: bool = False  # receives no new groups
+    retiring: bool = False  # evacuate everything at the next chance, then stop
+    incoming: list[NewRequest] = field(default_factory=list)
+    arriving: list[tuple[SequenceGroup, int]] = field(default_factory=list)  # moved groups
+    aborts: list[str] = field(default_factory=list)
+    moves_in_flight: int = 0  # groups routed here from another lane, not yet committed
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+    def has_work(self) -> bool:
+        with self.lock:
+            queued = bool(self.incoming or self.arriving or self.aborts)
+        return queued or self.retiring or self.engine.has_unfinished()
+
+    def free_room(self) -> int:
+        """Free KV blocks net of the prompts queued here: the router's measure of room."""
+        bm = self.engine.scheduler.block_manager
+        with self.lock:
+            queued = [r.prompt for r in self.incoming]
+        queued += [g.seqs[0].prompt_token_ids for g in list(self.engine.scheduler.waiting)]
+        return bm.gpu.num_free_blocks - sum(bm.blocks_for(len(p)) for p in queued)
+
+    def fits(self, prompt_len: int, params: SamplingParams) -> bool:
+        try:
+            self.engine.scheduler.check_fits(prompt_len, params)
+        except RequestRejectedError:
+            return False
+        return True
+
+    def step(self) -> tuple[StepOutcome, list[tuple[SequenceGroup, int]]]:
+        """Lane thread: take queued work, then one step. Returns the outcome and, when the
+        lane retires, the groups to move to other executors."""
+        engine = self.engine
+        with self.lock:
+            incoming, self.incoming = self.incoming, []
+            arriving, self.arriving = self.arriving, []
+            aborts, self.aborts = self.aborts, []
+        for r in incoming:
+            engine.add_request(r.request_id, r.prompt, r.params, r.arrival)
+        for group, num_events in arriving:
+            engine.attach(group, num_events)
+        if arriving:
+            engine.flush()  # the move is durable here before the old lane lets go
+            with self.lock:
+                self.moves_in_flight -= len(arriving)
+        ended: list[RequestDelta | None] = []
+        aborted: list[SequenceGroup] = []
+        for request_id in aborts:
+            group = engine.abort(request_id)
+            if group is not None:
+                aborted.append(group)
+                ended.append(engine.streams.delta(group, {}, finished=True))
+        outcome, moved = StepOutcome(), []
+        if not self.retiring and engine.has_unfinished():
+            try:
+                outcome = engine.step()
+            except ExecutorGone:  # abandoned while it was away: the step in flight is void
+                self.retiring = True
+        if self.retiring:
+            moved = engine.evacuate()
+        outcome.deltas[:0] = [d for d in ended if d is not None]
+        outcome.finished[:0] = aborted
+        return outcome, moved

@@ -1,0 +1,120 @@
+"""Registered executors and scheduler replicas on one Redis, for the scale-out tests."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from pagedserve.offline import OfflineLLM, Request
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import ExecutorConfig
+from scheduler_svc.executor_client import ExecutorClient
+from tests.services import free_port, start, wait_healthy
+
+REDIS = "redis://127.0.0.1:6379/0"
+MAX_TOKENS = 48
+
+
+def start_executor(model_dir: Path, namespace: str, drain_s: float = 30.0):
+    port = free_port()
+    args = ["executor", "--port", str(port), "--model", str(model_dir)]
+    args += ["--num-gpu-blocks", "96", "--swap-space", "0.05", "--state-store", REDIS]
+    args += ["--namespace", namespace, "--drain-timeout", str(drain_s)]
+    proc = start(args, f"executor-{port}.log")
+    return proc, f"127.0.0.1:{port}"
+
+
+def start_scheduler(namespace: str, *flags: str):
+    port = free_port()
+    args = ["scheduler", "--port", str(port), "--state-store", REDIS, "--namespace", namespace]
+    proc = start([*args, *flags], f"scheduler-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def wait_executors(url: str, count: int, timeout: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        executors = httpx.get(f"{url}/health", timeout=5).json().get("executors", [])
+        if len(executors) == count:
+            return executors
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not reach {count} executors: {executors}")
+
+
+def num_steps(address: str) -> int:
+    with ExecutorClient(address) as client:
+        return client.get_stats().num_steps
+
+
+@functools.cache
+def model_of(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+def body(url: str, prompt: str, stream: bool = False) -> dict:
+    return {
+        "model": model_of(url),
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def complete(url: str, prompt: str, request_id: str | None = None) -> str:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    response = httpx.post(
+        f"{url}/v1/completions", json=body(url, prompt), headers=headers, timeout=300
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def stream_text(url: str, prompt: str) -> str:
+    """A streaming completion's text, concatenated from its SSE chunks."""
+    text = ""
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body(url, prompt, stream=True), timeout=300
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def reference_texts(model_dir: Path, prompts: list[str]) -> dict[str, str]:
+    """Greedy texts of an uninterrupted in-process run."""
+    llm = OfflineLLM(ExecutorConfig(model=str(model_dir), num_gpu_blocks=256, swap_space=0.01))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results = llm.generate(
+        [Request(str(i), prompt=p, params=params) for i, p in enumerate(prompts)], progress=False
+    )
+    return {p: r.outputs[0].text for p, r in zip(prompts, results, strict=True)}
+
+
+def complete_all(url: str, prompts: list[str]) -> list[str]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(url, p), prompts))
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=5).json()
+
+
+def wait_until(predicate, timeout: float, what: str) -> float:
+    """Poll ``predicate`` until true; returns the seconds it took."""
+    start_time = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start_time > timeout:
+            raise TimeoutError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start_time

@@ -1,0 +1,132 @@
+"""docker-compose.yml: valid for docker-compose, commands the CLI accepts, ports and names
+that agree with each other, health checks and start order."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.deploy.manifests import (
+    COMPOSE_FILE,
+    DEPLOY,
+    ROOT,
+    compose_config,
+    compose_mounts,
+    compose_published_ports,
+    host_port,
+    load_yaml,
+    parse_cli,
+    redis_url_host_port,
+    require_tool,
+)
+
+SERVICES = {"redis", "executor", "scheduler", "prometheus", "grafana"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return compose_config()
+
+
+def test_compose_file_validates() -> None:
+    done = subprocess.run(
+        [require_tool("docker-compose"), "-f", str(COMPOSE_FILE), "config", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", f"docker-compose warns: {done.stderr}"
+
+
+def test_services_have_health_checks_and_start_in_order(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert set(services) == SERVICES
+    for name, service in services.items():
+        assert "test" in service.get("healthcheck", {}), f"{name} has no health check"
+    healthy = {"condition": "service_healthy"}
+    assert services["executor"]["depends_on"] == {"redis": healthy}
+    assert services["scheduler"]["depends_on"] == {"redis": healthy, "executor": healthy}
+    assert services["grafana"]["depends_on"] == {"prometheus": healthy}
+
+
+def test_redis_persists_append_only_on_a_volume(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert compose_mounts(redis)["/data"] == "redis-data"
+    assert "redis-data" in compose["volumes"]
+
+
+def test_images_are_pinned(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        image = service["image"]
+        tag = image.rpartition(":")[2] if ":" in image.split("/")[-1] else ""
+        assert tag and tag != "latest", f"{name}: image {image!r} has no pinned tag"
+        if "build" in service:
+            assert (ROOT / service["build"]["dockerfile"]).is_file()
+
+
+def test_executor_command_matches_cli(compose: dict[str, Any]) -> None:
+    executor = compose["services"]["executor"]
+    args = parse_cli(executor["command"])
+    assert args.command == "executor"
+    assert args.host == "0.0.0.0"
+    assert {str(args.port), str(args.metrics_port)} <= set(map(str, executor["expose"]))
+    assert redis_url_host_port(args.state_store) == ("redis", 6379)
+    # The health check dials the port the executor listens on.
+    assert f"127.0.0.1:{args.port}" in " ".join(executor["healthcheck"]["test"])
+
+
+def test_scheduler_command_matches_cli(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    scheduler = parse_cli(services["scheduler"]["command"])
+    executor = parse_cli(services["executor"]["command"])
+    assert scheduler.command == "scheduler"
+    assert scheduler.host == "0.0.0.0"
+    assert scheduler.state_store == executor.state_store
+    assert scheduler.namespace == executor.namespace
+    # No --executor: the scheduler dials the executors registered in the store, each at the
+    # container address it registered.
+    assert not scheduler.executor
+    assert not executor.advertise_address
+    assert scheduler.tokenizer == "/opt/pagedserve/tokenizer"  # baked into the image
+    published = compose_published_ports(services["scheduler"])
+    assert {scheduler.port, scheduler.grpc_port} <= published
+    health = " ".join(services["scheduler"]["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{scheduler.port}/health" in health
+
+
+def test_prometheus_scrapes_the_ports_the_services_serve_metrics_on(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    scheduler = parse_cli(services["scheduler"]["command"])
+    executor = parse_cli(services["executor"]["command"])
+    config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    targets = {
+        (sd["names"][0], sd["port"], job.get("metrics_path", "/metrics"))
+        for job in config["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+    }
+    assert targets == {
+        ("scheduler", scheduler.port, "/metrics"),
+        ("executor", executor.metrics_port, "/metrics"),
+    }
+    mounts = compose_mounts(services["prometheus"])
+    assert mounts["/etc/prometheus/prometheus.yml"] == str(DEPLOY / "prometheus" / "prometheus.yml")
+
+
+def test_grafana_mounts_its_provisioning_and_dashboards(compose: dict[str, Any]) -> None:
+    mounts = compose_mounts(compose["services"]["grafana"])
+    assert mounts["/etc/grafana/provisioning"] == str(DEPLOY / "grafana" / "provisioning")
+    provider = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "pagedserve.yml")
+    (dashboards,) = provider["providers"]
+    path = dashboards["options"]["path"]
+    assert mounts[path] == str(DEPLOY / "grafana" / "dashboards")
+    datasources = load_yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
+    (prometheus,) = datasources["datasources"]
+    assert host_port(prometheus["url"].removeprefix("http://")) == ("prometheus", 9090)
