@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.5,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench lint format clean
+.PHONY: install serve test bench bench-full lint format clean
 
 install: $(STAMP)
 
@@ -24,13 +24,48 @@ serve: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Benchmarks write JSON + PNG into bench/results/ (bench-full: bench/results/full/).
+# VLLM_PYTHON=PATH/TO/venv/bin/python adds vLLM's CPU build (see shared/bench/PEERS.md).
+VLLM_PYTHON ?=
+VLLM   := $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON),)
+RES    := bench/results
+KERNELS_JSON = kernels_$(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu).json
+
+# Quick: minutes on a 2-core CPU machine.
 bench: install
 	$(PY) bench/memory_waste.py --preset sharegpt --num-requests 200 --block-size 16 \
-		--json bench/results/memory_waste_sharegpt.json
+		--json $(RES)/memory_waste_sharegpt.json
 	$(PY) bench/memory_waste.py --preset alpaca --num-requests 200 --block-size 16 \
-		--json bench/results/memory_waste_alpaca.json
-	$(PY) bench/throughput.py --preset sharegpt --num-requests 32 --systems pagedserve,services --json bench/results/throughput_sharegpt.json
-	$(PY) bench/kernels.py --json bench/results/kernels_$(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu).json
+		--json $(RES)/memory_waste_alpaca.json
+	$(PY) bench/throughput.py --preset alpaca --num-requests 16 --hf-requests 16 $(VLLM) \
+		--json $(RES)/throughput_alpaca.json
+	$(PY) bench/serving.py --preset alpaca --rates 0.5,1,2 --num-requests 10 --duration 20 \
+		--drain 30 $(VLLM) --json $(RES)/serving_alpaca.json
+	$(PY) bench/sharing.py --num-requests 30 --prefix-requests 8 --sweep-presets alpaca \
+		--sweep-requests 8 --preempt-tokens 512 --repeats 3 --json $(RES)/sharing.json
+	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
+		--json $(RES)/routing_chat_prefix.json
+	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
+
+# Full: hours on a 2-core CPU machine.
+bench-full: install
+	$(PY) bench/memory_waste.py --preset sharegpt --num-requests 1000 --block-size 16 \
+		--json $(RES)/full/memory_waste_sharegpt.json
+	$(PY) bench/memory_waste.py --preset alpaca --num-requests 1000 --block-size 16 \
+		--json $(RES)/full/memory_waste_alpaca.json
+	$(PY) bench/throughput.py --preset sharegpt --num-requests 100 --hf-requests 32 $(VLLM) \
+		--json $(RES)/full/throughput_sharegpt.json
+	$(PY) bench/throughput.py --preset alpaca --num-requests 200 --hf-requests 64 $(VLLM) \
+		--json $(RES)/full/throughput_alpaca.json
+	$(PY) bench/serving.py --preset sharegpt --rates 0.05,0.1,0.2,0.4 --num-requests 100 \
+		--duration 600 --drain 600 $(VLLM) --json $(RES)/full/serving_sharegpt.json
+	$(PY) bench/serving.py --preset alpaca --rates 0.5,1,2,4 --num-requests 200 \
+		--duration 300 --drain 300 $(VLLM) --json $(RES)/full/serving_alpaca.json
+	$(PY) bench/sharing.py --num-requests 200 --prefix-requests 32 --sweep-requests 32 \
+		--json $(RES)/full/sharing.json
+	$(PY) bench/routing.py --num-requests 32 --shared-prefix-len 512 \
+		--json $(RES)/full/routing_chat_prefix.json
+	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -20,15 +20,18 @@ so external fragmentation delays admission just as it would on a device.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):
+    # Run as `python bench/memory_waste.py`: bench/kernels.py would shadow `kernels`.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from tqdm import tqdm
 
+from bench.common import PRESETS, WORKLOAD, Trace, load_trace, pyplot, write_json
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
 from pagedserve.step import SeqOutput
@@ -36,15 +39,6 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
-
-
-@dataclass
-class Trace:
-    prompt_lens: list[int]
-    output_lens: list[int]
-    prompts: list[list[int]]
 
 
 @dataclass
@@ -61,20 +55,6 @@ class RunResult:
             "steps": len(self.concurrent),
             "preemptions": self.preemptions,
         }
-
-
-def load_trace(
-    workload: Path, preset: str, num_requests: int, max_model_len: int, seed: int
-) -> Trace:
-    spec = importlib.util.spec_from_file_location("workload", workload)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    requests = list(module.generate(preset, num_requests, 49152, seed, max_model_len, 0.0, 0))
-    return Trace(
-        [len(r["prompt_token_ids"]) for r in requests],
-        [r["max_tokens"] for r in requests],
-        [r["prompt_token_ids"] for r in requests],
-    )
 
 
 def replay_paged(trace: Trace, block_size: int, kv_slots: int, max_model_len: int) -> RunResult:
@@ -155,11 +135,7 @@ def next_pow2(n: int) -> int:
 
 
 def plot(runs: dict[str, RunResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, run in runs.items():
         ax.plot(run.utilization, label=f"{name} (mean {statistics.fmean(run.utilization):.1%})")
@@ -175,9 +151,7 @@ def plot(runs: dict[str, RunResult], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--preset", default="sharegpt", choices=["sharegpt", "alpaca", "chat-prefix"]
-    )
+    parser.add_argument("--preset", default="sharegpt", choices=PRESETS)
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -213,11 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['mean_concurrent']:>10} {s['steps']:>6}"
         )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        config.pop("workload")
-        config.pop("json")
-        args.json.write_text(json.dumps({"config": config, "systems": systems}, indent=2) + "\n")
+        config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
+        write_json(args.json, config, {"systems": systems})
         plot(runs, args.json.with_suffix(".png"), f"{args.preset}, block size {args.block_size}")
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0

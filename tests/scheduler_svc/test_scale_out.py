@@ -66,24 +66,23 @@ def test_requests_spread_and_shared_prefixes_land_together(deployment, reference
     assert grew.count(True) == 1, grew
 
 
-def test_an_executor_added_under_load_takes_work(tiny_chat_model_dir, namespace, reference):
-    first, _ = start_executor(tiny_chat_model_dir, namespace)
-    scheduler, url = start_scheduler(namespace)
-    second = None
+def test_a_third_executor_added_under_load_takes_work(
+    deployment, namespace, tiny_chat_model_dir, reference
+):
+    url, _ = deployment
+    third = None
     try:
-        wait_executors(url, 1)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             early = [pool.submit(complete, url, p) for p in PROMPTS[:5]]
-            second, second_address = start_executor(tiny_chat_model_dir, namespace)
-            wait_executors(url, 2)  # no restart: the scheduler found it in the registry
+            third, third_address = start_executor(tiny_chat_model_dir, namespace)
+            wait_executors(url, 3)  # no restart: the scheduler found it in the registry
             late = [pool.submit(complete, url, p) for p in PROMPTS[5:]]
             texts = [f.result() for f in early + late]
         assert texts == [reference[p] for p in PROMPTS]
-        assert num_steps(second_address) > 0
+        assert num_steps(third_address) > 0
     finally:
-        for proc in (scheduler, first, second):
-            if proc is not None:
-                stop(proc)
+        if third is not None:
+            stop(third)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])

