@@ -247,14 +247,7 @@ class AsyncEngine:
             return 0.0
         if not self.lanes:
             return 0.0 if self._no_lane_since is None else time.monotonic() - self._no_lane_since
-        aways = [
-            lane.engine.executor.unavailable_for()
-            if isinstance(lane.engine.executor, ReconnectingExecutor)
-            else 0.0
-            for lane in self.lanes.values()
-            if not lane.retiring
-        ]
-        return min(aways, default=0.0)
+        return min((_away(lane) for lane in self.lanes.values() if not lane.retiring), default=0.0)
 
     def check(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise RequestRejectedError now for a request no executor could ever run."""
@@ -342,27 +335,23 @@ class AsyncEngine:
                 lane.aborts.append(request_id)
             lane.wake.set()
         else:
-            self._unrouted = [
-                item
-                for item in self._unrouted
-                if (item.request_id if isinstance(item, NewRequest) else item[0].request_id)
-                != request_id
-            ]
+            self._unrouted = [i for i in self._unrouted if _request_id(i) != request_id]
         return request_id in self._streams
 
     def _route(self, item: NewRequest | tuple[SequenceGroup, int]) -> None:
         """Queue a new request, or a group moved off another executor, on the best lane."""
+        request_id = _request_id(item)
         if isinstance(item, NewRequest):
-            request_id, prompt, params = item.request_id, item.prompt, item.params
+            prompt, params = item.prompt, item.params
         else:
-            group = item[0]
-            request_id, prompt = group.request_id, group.seqs[0].prompt_token_ids
-            params = group.sampling_params
-        room = {
-            name: lane.free_room()
-            for name, lane in self.lanes.items()
+            prompt, params = item[0].seqs[0].prompt_token_ids, item[0].sampling_params
+        open_lanes = [
+            lane
+            for lane in self.lanes.values()
             if not (lane.draining or lane.retiring) and lane.fits(len(prompt), params)
-        }
+        ]
+        answering = [lane for lane in open_lanes if not _away(lane)]
+        room = {lane.name: lane.free_room() for lane in answering or open_lanes}
         if not room:
             self._unrouted.append(item)
             return
@@ -391,10 +380,7 @@ class AsyncEngine:
             self._route(NewRequest(request_id, data["prompt"], params, data["arrival"]))
 
     def _is_unrouted(self, request_id: str) -> bool:
-        return any(
-            (item.request_id if isinstance(item, NewRequest) else item[0].request_id) == request_id
-            for item in self._unrouted
-        )
+        return any(_request_id(item) == request_id for item in self._unrouted)
 
     async def _adopt_orphans(self) -> None:
         """Lanes left in the store by executors that are gone: recompute their groups on
@@ -473,9 +459,16 @@ class AsyncEngine:
         self.router.forget(lane.name)
         if self.observer is not None:
             self.observer.forget(lane.name)
-        for group, num_events in moved:
-            self._where.pop(group.request_id, None)
-            self._route((group, num_events))
+        with lane.lock:  # queued here while its last step ran: never entered the engine
+            leftovers = [*lane.incoming, *lane.arriving]
+            aborts = lane.aborts
+            lane.incoming, lane.arriving, lane.aborts = [], [], []
+            lane.moves_in_flight = 0
+        for item in [*moved, *leftovers]:
+            self._where.pop(_request_id(item), None)
+            self._route(item)
+        for request_id in aborts:
+            self.abort(request_id)
         # The groups stay in the old lane's state until the new lanes committed them.
         while any(other.moves_in_flight and not other.retiring for other in self.lanes.values()):
             await asyncio.sleep(0.01)
@@ -545,3 +538,13 @@ class AsyncEngine:
         if isinstance(lane.engine.executor, ReconnectingExecutor):
             lane.engine.executor.abandon()
         lane.wake.set()
+
+
+def _request_id(item: NewRequest | tuple[SequenceGroup, int]) -> str:
+    return item.request_id if isinstance(item, NewRequest) else item[0].request_id
+
+
+def _away(lane: Lane) -> float:
+    """Seconds the lane's executor has not answered (0 while it does)."""
+    executor = lane.engine.executor
+    return executor.unavailable_for() if isinstance(executor, ReconnectingExecutor) else 0.0
