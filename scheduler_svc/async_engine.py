@@ -212,8 +212,10 @@ class AsyncEngine:
     async def _open_lane(self, name: str, engine: LLMEngine, start: bool = True) -> Lane:
         """Recover the lane's state from the store under this leader's epoch and run it."""
         if engine.journal is not None:
-            await asyncio.to_thread(engine.recover, self.epoch)
+            replayed = await asyncio.to_thread(engine.recover, self.epoch)
             await asyncio.to_thread(engine.flush)
+            if replayed is not None:  # a client may have re-attached before the flush
+                self._publish(replayed)
         lane = Lane(name, engine)
         self.lanes[name] = lane
         if self.observer is not None:  # its pools show before its first step
