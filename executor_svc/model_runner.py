@@ -11,6 +11,7 @@ from executor_svc.attention import AttentionMetadata
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.sampler import Sampler
+from kernels import ops
 from pagedserve.step import SeqOutput, SeqStep
 
 
@@ -32,6 +33,8 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.device = device
+        if device.type == "cpu":
+            ops.cpu_extension()  # built (first time only) now rather than inside a step
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqStep]) -> list[SeqOutput]:

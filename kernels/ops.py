@@ -1,4 +1,4 @@
-"""Typed KV-cache and paged-attention ops: CUDA kernels on GPU tensors, vectorised torch on CPU."""
+"""Typed KV-cache and paged-attention ops: CUDA kernels on GPU tensors, C++ kernels on CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import Tensor
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
+CPU_SOURCES = ("bindings.cpp", "paged_attention.cpp", "cache.cpp", "linear.cpp", "layers.cpp")
 
 
 @functools.cache
@@ -26,6 +27,23 @@ def cuda_extension() -> ModuleType:
     )
 
 
+@functools.cache
+def cpu_extension() -> ModuleType:
+    """Compile (first call only; torch caches the build on disk) and import the CPU kernels.
+
+    No -march=native: the build may be shared with other machines. The hot loops are cloned per
+    instruction set inside the sources instead. -fopenmp makes at::parallel_for run on torch's
+    own OpenMP threads, so torch.set_num_threads applies.
+    """
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="pagedserve_cpu_kernels",
+        sources=[str(CSRC / "cpu" / name) for name in CPU_SOURCES],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
+    )
+
+
 def reshape_and_cache(
     key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -33,15 +51,12 @@ def reshape_and_cache(
     value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: Tensor,  # [num_tokens] int64; block_id * block_size + offset, -1 = skip
 ) -> None:
-    """Write each token's K/V into its cache slot, in place; tokens with slot -1 are skipped."""
-    if key_cache.is_cuda:
-        cuda_extension().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    for new, cache in ((key, key_cache), (value, value_cache)):
-        # A contiguous cache viewed as [num_slots, ...]: the slot is the row index.
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new[keep])
+    """Write each token's K/V into its cache slot, in place; tokens with slot -1 are skipped.
+
+    Each token's [num_kv_heads, head_dim] rows must be contiguous; tokens may be strided.
+    """
+    ext = cuda_extension() if key_cache.is_cuda else cpu_extension()
+    ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode(
@@ -54,26 +69,18 @@ def paged_attention_decode(
 ) -> Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
     """Attention of one new token per sequence over its whole context, read from the paged cache.
 
-    The new token's K/V must already be in the cache. On GPU the cache is read in place; on CPU
-    each sequence's blocks are gathered into a padded batch with one index op.
+    The new token's K/V must already be in the cache, which is read in place on either device.
     """
-    group = _group_size(query, key_cache)
+    _group_size(query, key_cache)
     if query.shape[0] == 0:
         return torch.empty_like(query)
     if query.is_cuda:
         return cuda_extension().paged_attention_decode(
             query, key_cache, value_cache, block_tables, context_lens, scale
         )
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    keys, values = _gather_context(key_cache, value_cache, block_tables, context_lens)
-    # The `group` query heads of one kv head form the query rows of one attention problem,
-    # so each K/V row is used by all of them without being repeated.
-    q = query.reshape(num_seqs, num_kv_heads, group, head_dim)
-    positions = torch.arange(keys.shape[2], device=query.device)
-    mask = (positions < context_lens[:, None]).view(num_seqs, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    return cpu_extension().paged_attention(
+        query, key_cache, value_cache, block_tables, context_lens, None, scale
+    )
 
 
 def paged_attention_prefill(
@@ -92,12 +99,17 @@ def paged_attention_prefill(
         position   0 1 2 3 | 4 5 6
                    cached    new: query rows 0..2, row i sees positions <= 7 - 3 + i
 
-    Sequences are padded to one batch with two index ops (context, queries) and one attention
-    call; the padded rows are dropped again at the end.
+    On CPU the cache is read in place. On GPU (no CUDA prefill kernel yet) sequences are padded
+    to one batch with two index ops (context, queries) and one attention call; the padded rows
+    are dropped again at the end.
     """
     group = _group_size(query, key_cache)
     if query.shape[0] == 0:
         return torch.empty_like(query)
+    if not query.is_cuda:
+        return cpu_extension().paged_attention(
+            query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale
+        )
     num_heads, head_dim = query.shape[1:]
     num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
     keys, values = _gather_context(key_cache, value_cache, block_tables, context_lens)

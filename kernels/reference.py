@@ -116,3 +116,43 @@ def swap_blocks(
     """Copy each (src_block, dst_block) pair across tensors, one block at a time."""
     for src_block, dst_block in block_mapping.tolist():
         dst[dst_block].copy_(src[src_block])
+
+
+def linear(
+    x: Tensor,  # [num_tokens, in_features]
+    weight: Tensor,  # [out_features, in_features]
+    bias: Tensor | None = None,  # [out_features]
+) -> Tensor:  # [num_tokens, out_features]
+    out = x.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # x: [num_tokens, hidden]
+    xd = x.double()
+    return (weight.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:  # [num_tokens, 2 * width] -> [num_tokens, width]
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return (gate / (1 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def rotary_embedding(
+    positions: Tensor,  # [num_tokens] int64
+    query: Tensor,  # [num_tokens, num_heads, head_dim]
+    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: Tensor,  # [max_positions, head_dim]
+    sin: Tensor,  # [max_positions, head_dim]
+) -> tuple[Tensor, Tensor]:
+    """Each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), token by token."""
+    half = query.shape[-1] // 2
+    rotated = []
+    for x in (query, key):
+        out = torch.empty(x.shape, dtype=torch.float64)
+        for token, pos in enumerate(positions.tolist()):
+            c, s = cos[pos, :half].double(), sin[pos, :half].double()
+            x1, x2 = x[token, :, :half].double(), x[token, :, half:].double()
+            out[token, :, :half] = x1 * c - x2 * s
+            out[token, :, half:] = x2 * c + x1 * s
+        rotated.append(out.to(x.dtype))
+    return rotated[0], rotated[1]

@@ -1,0 +1,245 @@
+// Python bindings of the pagedserve CPU kernels: tensor checks and allocation.
+//
+// Shapes:
+//   query                     [num_tokens, num_heads, head_dim], heads contiguous
+//   key / value               [num_tokens, num_kv_heads, head_dim], rows contiguous
+//   key_cache / value_cache   [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+//   block_tables              [num_seqs, max_num_blocks_per_seq] int32
+//   context_lens              [num_seqs] int32
+//   query_start_loc           [num_seqs + 1] int32, cumulative offsets into query
+//   slot_mapping              [num_tokens] int64, -1 = skip
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "cpu_kernels.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(key_cache.device().is_cpu() && key_cache.dim() == 4 && key_cache.is_contiguous(),
+              "key_cache must be a contiguous CPU tensor "
+              "[num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.device() == key_cache.device(),
+              "value_cache must match key_cache in shape, dtype, device and be contiguous");
+}
+
+void check_int_tensor(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous() &&
+                  t.device().is_cpu(),
+              name, " must be a contiguous ", dim, "-d ", dtype, " CPU tensor");
+}
+
+// Row i of a [n, a, b] tensor is a*b contiguous elements.
+bool rows_contiguous(const at::Tensor& t) {
+  return t.stride(2) == 1 && t.stride(1) == t.size(2);
+}
+
+void check_attention_inputs(const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens,
+                            const std::optional<at::Tensor>& query_start_loc) {
+  check_cache_pair(key_cache, value_cache);
+  TORCH_CHECK(query.dim() == 3 && query.device().is_cpu() &&
+                  query.scalar_type() == key_cache.scalar_type(),
+              "query must be a [num_tokens, num_heads, head_dim] CPU tensor of the caches' dtype");
+  const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from the query's");
+  TORCH_CHECK(query.size(2) % 8 == 0, "head_dim must be a multiple of 8, got ", query.size(2));
+  TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
+              "num_heads must be a multiple of num_kv_heads");
+  check_int_tensor(block_tables, at::kInt, 2, "block_tables");
+  check_int_tensor(context_lens, at::kInt, 1, "context_lens");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables needs one row per sequence");
+  if (query_start_loc) {
+    check_int_tensor(*query_start_loc, at::kInt, 1, "query_start_loc");
+    TORCH_CHECK(query_start_loc->size(0) == num_seqs + 1, "query_start_loc needs num_seqs + 1");
+    const int32_t* loc = query_start_loc->data_ptr<int32_t>();
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      TORCH_CHECK(loc[seq] <= loc[seq + 1], "query_start_loc must not decrease");
+    }
+    TORCH_CHECK(loc[0] == 0 && loc[num_seqs] == query.size(0),
+                "query_start_loc must run from 0 to the number of query tokens");
+  } else {
+    TORCH_CHECK(query.size(0) == num_seqs, "decode takes one query token per sequence");
+  }
+}
+
+at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens,
+                           const std::optional<at::Tensor>& query_start_loc, double scale) {
+  check_attention_inputs(query_in, key_cache, value_cache, block_tables, context_lens,
+                         query_start_loc);
+  const at::Tensor query = rows_contiguous(query_in) ? query_in : query_in.contiguous();
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  AttentionParams p{};
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.context_lens = context_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc ? query_start_loc->data_ptr<int32_t>() : nullptr;
+  p.query_token_stride = query.stride(0);
+  p.num_seqs = context_lens.size(0);
+  p.num_heads = query.size(1);
+  p.num_kv_heads = key_cache.size(2);
+  p.head_dim = query.size(2);
+  p.block_size = key_cache.size(1);
+  p.num_blocks = key_cache.size(0);
+  p.max_num_blocks_per_seq = block_tables.size(1);
+  p.scale = static_cast<float>(scale);
+  cpu::paged_attention(query.scalar_type(), p);
+  return out;
+}
+
+void reshape_and_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_cache_pair(key_cache, value_cache);
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be "
+              "[num_tokens, num_kv_heads, head_dim] of the same shape");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "key rows do not match the cache's [num_kv_heads, head_dim]");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type(),
+              "key, value and caches must share a dtype");
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be on CPU");
+  TORCH_CHECK(rows_contiguous(key) && rows_contiguous(value),
+              "key and value must be contiguous within a token");
+  check_int_tensor(slot_mapping, at::kLong, 1, "slot_mapping");
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping must have one slot per token");
+  const int64_t elem = key.element_size();
+  cpu::reshape_and_cache(static_cast<const char*>(key.data_ptr()),
+                         static_cast<const char*>(value.data_ptr()),
+                         static_cast<char*>(key_cache.data_ptr()),
+                         static_cast<char*>(value_cache.data_ptr()),
+                         slot_mapping.data_ptr<int64_t>(), key.size(0),
+                         key_cache.size(0) * key_cache.size(1), key.stride(0) * elem,
+                         value.stride(0) * elem, key.size(1) * key.size(2) * elem);
+}
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1,
+              "x must be a [rows, in_features] float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu() &&
+                  weight.scalar_type() == at::kFloat && weight.size(1) == x.size(1),
+              "weight must be a contiguous [out_features, in_features] float32 CPU tensor");
+  TORCH_CHECK(x.size(1) % 8 == 0, "in_features must be a multiple of 8, got ", x.size(1));
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == weight.size(0) &&
+                    bias->scalar_type() == at::kFloat && bias->device().is_cpu(),
+                "bias must be a contiguous [out_features] float32 CPU tensor");
+  }
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  LinearParams p{};
+  p.y = y.data_ptr<float>();
+  p.x = x.data_ptr<float>();
+  p.weight = weight.data_ptr<float>();
+  p.bias = bias ? bias->data_ptr<float>() : nullptr;
+  p.x_row_stride = x.stride(0);
+  p.rows = x.size(0);
+  p.in_features = x.size(1);
+  p.out_features = weight.size(0);
+  cpu::skinny_linear(p);
+  return y;
+}
+
+void check_float_rows(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.dim() == dim && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+                  t.stride(dim - 1) == 1,
+              name, " must be a ", dim, "-d float32 CPU tensor with contiguous rows");
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float_rows(x, 2, "x");
+  check_float_rows(weight, 1, "weight");
+  TORCH_CHECK(weight.size(0) == x.size(1), "weight must have one entry per hidden unit");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  RmsNormParams p{};
+  p.out = out.data_ptr<float>();
+  p.x = x.data_ptr<float>();
+  p.weight = weight.data_ptr<float>();
+  p.x_row_stride = x.stride(0);
+  p.num_tokens = x.size(0);
+  p.hidden_size = x.size(1);
+  p.eps = static_cast<float>(eps);
+  cpu::rms_norm(p);
+  return out;
+}
+
+at::Tensor silu_and_mul_op(const at::Tensor& gate_up) {
+  check_float_rows(gate_up, 2, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
+  const int64_t width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  SiluAndMulParams p{};
+  p.out = out.data_ptr<float>();
+  p.gate_up = gate_up.data_ptr<float>();
+  p.gate_up_row_stride = gate_up.stride(0);
+  p.num_tokens = gate_up.size(0);
+  p.width = width;
+  cpu::silu_and_mul(p);
+  return out;
+}
+
+void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                         const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* t : {&query, &key}) {
+    check_float_rows(*t, 3, "query and key");
+    TORCH_CHECK(rows_contiguous(*t), "query and key heads must be contiguous within a token");
+  }
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(key.size(0) == query.size(0) && key.size(2) == head_dim && head_dim % 2 == 0,
+              "query and key need the same tokens and an even head_dim");
+  check_int_tensor(positions, at::kLong, 1, "positions");
+  TORCH_CHECK(positions.size(0) == query.size(0), "positions needs one entry per token");
+  check_float_rows(cos, 2, "cos");
+  TORCH_CHECK(sin.sizes() == cos.sizes() && sin.strides() == cos.strides() &&
+                  sin.scalar_type() == at::kFloat && cos.size(1) >= head_dim / 2,
+              "cos and sin must be [max_positions, >= head_dim / 2] tables of one layout");
+  RotaryParams p{};
+  p.query = query.data_ptr<float>();
+  p.key = key.data_ptr<float>();
+  p.positions = positions.data_ptr<int64_t>();
+  p.cos = cos.data_ptr<float>();
+  p.sin = sin.data_ptr<float>();
+  p.query_token_stride = query.stride(0);
+  p.key_token_stride = key.stride(0);
+  p.table_row_stride = cos.stride(0);
+  p.num_tokens = query.size(0);
+  p.num_query_heads = query.size(1);
+  p.num_key_heads = key.size(1);
+  p.head_dim = head_dim;
+  p.max_positions = cos.size(0);
+  cpu::rotary_embedding(p);
+}
+
+}  // namespace
+}  // namespace pagedserve::cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pagedserve CPU kernels: paged attention over the block pool and KV-cache writes";
+  m.def("paged_attention", &pagedserve::cpu::paged_attention_op, py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        "query_start_loc None: one query token per sequence (decode)");
+  m.def("linear", &pagedserve::cpu::linear_op, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        "x W^T + b for a few rows of x, reading W once (decode batches)");
+  m.def("rms_norm", &pagedserve::cpu::rms_norm_op, py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("silu_and_mul", &pagedserve::cpu::silu_and_mul_op, py::arg("gate_up"));
+  m.def("rotary_embedding", &pagedserve::cpu::rotary_embedding_op, py::arg("positions"),
+        py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"),
+        "rotates query and key in place");
+  m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, py::arg("key"),
+        py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"));
+}
