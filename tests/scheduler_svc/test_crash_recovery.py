@@ -150,7 +150,7 @@ def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference,
 def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, reference):
     proc, url = scheduler(executor, namespace, crash_at="after_execute:9")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    got, last_id = "", None
+    got, last_id, seen = "", None, []
     try:
         with httpx.stream(
             "POST",
@@ -164,6 +164,7 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
                     last_id = line[4:]
                 elif line.startswith("data: {"):
                     got += json.loads(line[6:])["choices"][0]["text"]
+                    seen.append((last_id, got))
     except httpx.HTTPError:
         pass  # the scheduler died mid-stream
     try:
@@ -179,10 +180,14 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
             headers={"X-Request-Id": "streamed", "Last-Event-ID": last_id},
             timeout=60,
         ) as r:
+            event_id = None
             for line in r.iter_lines():
-                if line.startswith("data: {"):
+                if line.startswith("id: "):
+                    event_id = line[4:]
+                elif line.startswith("data: {"):
                     got += json.loads(line[6:])["choices"][0]["text"]
-        assert got == reference[0]
+                    seen.append((event_id, got))
+        assert got == reference[0], f"events (id, text so far): {seen}"
     finally:
         stop(proc)
 
