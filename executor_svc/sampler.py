@@ -38,8 +38,9 @@ class Sampler:
                 raise ValueError(f"seq {seq.seq_id}: {seq.num_samples} beams > vocab")
         logits = _apply_penalties(logits.float(), seqs)
         temps = [p.temperature if p.temperature > 0 else 1.0 for p in _params(seqs)]
-        temps_t = torch.tensor(temps, device=logits.device).unsqueeze(1)
-        logprobs = torch.log_softmax(logits / temps_t, dim=-1)  # [num_seqs, vocab_size]
+        if any(t != 1.0 for t in temps):  # a full pass over the vocabulary: skip it if we can
+            logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
+        logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
         token_ids = _draw(logprobs, seqs)  # [num_seqs, max_samples]
         return _build_outputs(logprobs, token_ids, seqs)
 
