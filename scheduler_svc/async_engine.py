@@ -299,6 +299,12 @@ class AsyncEngine:
                     raise item
                 if item.event <= last:
                     continue
+                if item.event > last + 1:  # published before we listened, committed since
+                    for index, text in self.store.read_events(request_id, last):
+                        if index >= item.event:
+                            break
+                        last = index
+                        yield RequestDelta.from_json(text)
                 finished, last = item.finished, item.event
                 yield item
         finally:
