@@ -212,10 +212,8 @@ class AsyncEngine:
     async def _open_lane(self, name: str, engine: LLMEngine, start: bool = True) -> Lane:
         """Recover the lane's state from the store under this leader's epoch and run it."""
         if engine.journal is not None:
-            replayed = await asyncio.to_thread(engine.recover, self.epoch)
+            await asyncio.to_thread(engine.recover, self.epoch)
             await asyncio.to_thread(engine.flush)
-            if replayed is not None:  # a client may have re-attached before the flush
-                self._publish(replayed)
         lane = Lane(name, engine)
         self.lanes[name] = lane
         if self.observer is not None:  # its pools show before its first step
@@ -278,18 +276,19 @@ class AsyncEngine:
             return
         if request_id in self._streams:
             raise RequestInFlightError(f"request id {request_id!r} is already being streamed")
+        arrival = time.time()  # wall clock: comparable between replicas and restarts
+        if not self._submit(request_id, prompt_token_ids, params, arrival):
+            # Known: a client back after a restart or a lost connection. Live events are
+            # published a step before they are committed, so one published before it came
+            # would be missed here; the store has every committed event in order.
+            async for delta in self._follow(request_id, prompt_token_ids, params, after_event):
+                yield delta
+            return
         queue: asyncio.Queue[RequestDelta | BaseException | _SteppedDown] = asyncio.Queue()
         self._streams[request_id] = queue
-        arrival = time.time()  # wall clock: comparable between replicas and restarts
+        self._route(NewRequest(request_id, prompt_token_ids, params, arrival))
         finished, last, handed_over = False, after_event, False
         try:
-            if self._submit(request_id, prompt_token_ids, params, arrival):
-                self._route(NewRequest(request_id, prompt_token_ids, params, arrival))
-            else:  # known: replay what was already produced, then follow live
-                for index, text in self.store.read_events(request_id, after_event):
-                    delta = RequestDelta.from_json(text)
-                    finished, last = delta.finished, index
-                    yield delta
             while not finished:
                 item = await queue.get()
                 if isinstance(item, _SteppedDown):
@@ -299,12 +298,6 @@ class AsyncEngine:
                     raise item
                 if item.event <= last:
                     continue
-                if item.event > last + 1:  # published before we listened, committed since
-                    for index, text in self.store.read_events(request_id, last):
-                        if index >= item.event:
-                            break
-                        last = index
-                        yield RequestDelta.from_json(text)
                 finished, last = item.finished, item.event
                 yield item
         finally:
