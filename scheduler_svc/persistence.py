@@ -21,8 +21,15 @@ class RestoredGroup:
     block_tables: dict[int, tuple[list[int], int]]  # seq_id -> (block ids, slots mapped)
 
 
+# Field names read once: dataclasses.asdict deep-copies every value and, called for each
+# group and each sequence of every step's commit, was most of the scheduler's JSON time.
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(Sequence))
+_SEQ_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(SeqStep) if f.name != "sampling_params")
+
+
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
+    return {name: getattr(params, name) for name in _PARAM_FIELDS}
 
 
 def params_from_dict(data: dict[str, Any]) -> SamplingParams:
@@ -33,7 +40,7 @@ def params_from_dict(data: dict[str, Any]) -> SamplingParams:
 
 
 def _seq_to_dict(seq: Sequence) -> dict[str, Any]:
-    data = {f.name: getattr(seq, f.name) for f in dataclasses.fields(seq)}
+    data = {name: getattr(seq, name) for name in _SEQ_FIELDS}
     data["status"] = int(seq.status)
     data["output_top_logprobs"] = [list(top.items()) for top in seq.output_top_logprobs]
     return data
@@ -79,7 +86,24 @@ def group_from_json(text: str) -> RestoredGroup:
 
 
 def step_to_json(step: ExecuteStep) -> str:
-    return json.dumps({"version": SCHEMA_VERSION, "step": dataclasses.asdict(step)})
+    params: dict[int, dict[str, Any]] = {}  # a group's sequences share one SamplingParams
+    seqs = []
+    for seq in step.seqs:
+        data = {name: getattr(seq, name) for name in _SEQ_STEP_FIELDS}
+        key = id(seq.sampling_params)
+        if key not in params:
+            params[key] = params_to_dict(seq.sampling_params)
+        data["sampling_params"] = params[key]
+        seqs.append(data)
+    body = {
+        "step_id": step.step_id,
+        "epoch": step.epoch,
+        "seqs": seqs,
+        "blocks_to_swap_out": step.blocks_to_swap_out,
+        "blocks_to_swap_in": step.blocks_to_swap_in,
+        "blocks_to_copy": step.blocks_to_copy,
+    }
+    return json.dumps({"version": SCHEMA_VERSION, "step": body})
 
 
 def step_from_json(text: str) -> ExecuteStep:

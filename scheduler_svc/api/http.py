@@ -89,6 +89,9 @@ def _last_event(value: str | None) -> tuple[int, int] | None:
     return int(event), int(output)
 
 
+DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client left
+
+
 async def _collect_unless_disconnected(
     request: Request, deltas: AsyncIterator[RequestDelta], n: int
 ) -> list[Choice]:
@@ -103,7 +106,7 @@ async def _collect_unless_disconnected(
     task = asyncio.create_task(collect())
     try:
         while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
         await task
@@ -240,6 +243,29 @@ def _event(event_id: str | None, payload: dict[str, Any]) -> str:
 OPEN_PATHS = ("/health", "/dashboard")  # no API key: no request data behind them
 
 
+class ApiKeyCheck:
+    """Answers 401 to a request without the configured API key. Plain ASGI: starlette's
+    BaseHTTPMiddleware wraps every receive in tasks, and each non-streaming request polls
+    receive to notice a client that left."""
+
+    def __init__(self, app: Any, api: Api) -> None:
+        self.app, self.api = app, api
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        key = self.api.config.api_key
+        if key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if sent != f"Bearer {key}":
+                error = APIError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    code="invalid_api_key",
+                )
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None = None) -> FastAPI:
     """The FastAPI application; ``metrics`` renders /metrics (Prometheus text),
     ``dashboard`` serves the block map at /dashboard."""
@@ -263,18 +289,7 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        key = api.config.api_key
-        sent = request.headers.get("authorization", "")
-        if key and request.url.path not in OPEN_PATHS and sent != f"Bearer {key}":
-            error = APIError(
-                401,
-                "invalid or missing API key (Authorization: Bearer ...)",
-                code="invalid_api_key",
-            )
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(ApiKeyCheck, api=api)
 
     @app.get("/health")
     async def health() -> Response:

@@ -50,7 +50,9 @@ PAGEDSERVE_INLINE vfloat load(const float* p) {
 
 PAGEDSERVE_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
-PAGEDSERVE_INLINE vfloat splat(float x) { return vfloat{} + x; }
+// Every lane x: one broadcast (`vfloat{} + x` would also add 0.0, which the compiler must keep
+// for the sign of -0.0).
+PAGEDSERVE_INLINE vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x}; }
 
 PAGEDSERVE_INLINE vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
