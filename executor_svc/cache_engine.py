@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc import host_memory
 from kernels import ops
 from pagedserve.step import BlockPairs
 
@@ -52,6 +53,8 @@ class CacheEngine:
         dims = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
 
         def make() -> torch.Tensor:
+            if device.type == "cpu" and not pin:
+                return host_memory.zeros(dims, s.dtype)
             return torch.zeros(dims, dtype=s.dtype, device=device, pin_memory=pin)
 
         return [(make(), make()) for _ in range(s.num_layers)]

@@ -52,6 +52,15 @@ def test_decode_matches_reference(
     torch.testing.assert_close(out, reference.paged_attention_decode(*args, scale), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_of_a_large_batch_matches_reference(dtype: torch.dtype) -> None:
+    """Enough sequences that each CPU work item takes all kv heads of one sequence."""
+    context_lens = [1 + (37 * i) % 700 for i in range(48)]
+    args = _decode_inputs(context_lens, 16, 64, 3, dtype)
+    out = ops.paged_attention_decode(*args, 0.125)
+    torch.testing.assert_close(out, reference.paged_attention_decode(*args, 0.125), **TOL[dtype])
+
+
 def test_decode_sharp_softmax_matches_reference() -> None:
     """Large logits: the running max moves block to block and the rescaling must be exact."""
     query, *rest = _decode_inputs([5, 300, 2000], 16, 64, 3, torch.float32)

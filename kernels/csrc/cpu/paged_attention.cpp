@@ -1,8 +1,11 @@
 // PagedAttention on CPU: each new token attends to its sequence's KV blocks, read in place.
 //
-// A work item is (sequence, kv head, tile of new tokens). It serves every query head of its kv
-// head: a block's K/V rows come from memory once (converted to fp32 once for bf16 / fp16) and
-// are reused from L1 by all the group's query rows (grouped-query attention). It walks the
+// A work item is (sequence, run of kv heads, tile of new tokens). It serves every query head of
+// its kv heads: a block's K/V rows come from memory once (converted to fp32 once for bf16 / fp16)
+// and are reused from L1 by all the group's query rows (grouped-query attention). A block holds
+// [block_size, num_kv_heads, head_dim]: one kv head's rows are strided, and read alone they ran
+// at a third of the memory bandwidth here (the hardware prefetchers follow whole lines), so a
+// decode item takes all kv heads of its sequence and reads each block as one run. It walks the
 // sequence's blocks through the block table, prefetching the next one, with an online softmax
 // over rows r = (tile token t, head g of the group):
 //
@@ -43,14 +46,18 @@ constexpr int64_t kTileRows = 32;
 // a fork/join would cost more than it saves.
 constexpr int64_t kMinWorkPerThread = 1 << 20;
 
+// Work items per thread below which decode splits sequences by kv head, to balance the load.
+constexpr int64_t kMinItemsPerThread = 4;
+
 struct WorkItem {
   int64_t seq;
-  int64_t kv_head;
+  int64_t first_kv_head;
+  int64_t num_kv_heads;
   int64_t first_token;  // row of the tile's first token in query and out
   int64_t num_tokens;   // new tokens in the tile
   int64_t first_pos;    // position of the tile's first token in its sequence
 
-  int64_t cost() const { return num_tokens * (first_pos + num_tokens); }
+  int64_t cost() const { return num_kv_heads * num_tokens * (first_pos + num_tokens); }
 };
 
 // One thread's fp32 working set for items of up to max_rows query rows.
@@ -174,49 +181,62 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
   const int64_t dim = p.head_dim, block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads, rows = item.num_tokens * group;
   const int64_t kv_token_stride = p.num_kv_heads * dim;
-  const int64_t head_offset = item.kv_head * group * dim;  // the group's first query head
   const T* query = static_cast<const T*>(p.query);
-  for (int64_t t = 0; t < item.num_tokens; ++t) {
-    const T* src = query + (item.first_token + t) * p.query_token_stride + head_offset;
-    load_scaled(src, p.scale, s.q + t * group * dim, group * dim);
+  // Scratch row h * rows + t * group + g: kv head h of the item, tile token t, group head g.
+  for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+    const int64_t head_offset = (item.first_kv_head + h) * group * dim;
+    for (int64_t t = 0; t < item.num_tokens; ++t) {
+      const T* src = query + (item.first_token + t) * p.query_token_stride + head_offset;
+      load_scaled(src, p.scale, s.q + (h * rows + t * group) * dim, group * dim);
+    }
   }
-  std::fill(s.acc, s.acc + rows * dim, 0.0f);
-  std::fill(s.max, s.max + rows, -std::numeric_limits<float>::infinity());
-  std::fill(s.sum, s.sum + rows, 0.0f);
+  const int64_t all_rows = item.num_kv_heads * rows;
+  std::fill(s.acc, s.acc + all_rows * dim, 0.0f);
+  std::fill(s.max, s.max + all_rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum, s.sum + all_rows, 0.0f);
 
   const int64_t last_pos = item.first_pos + item.num_tokens - 1;
   const int32_t* table = p.block_tables + item.seq * p.max_num_blocks_per_seq;
+  const int64_t run = item.num_kv_heads * dim;  // elements of the item's heads in one token row
   for (int64_t start = 0; start <= last_pos; start += block_size) {
     const int64_t block = table[start / block_size];
     const int64_t len = std::min(block_size, last_pos + 1 - start);
-    const int64_t offset = (block * block_size * p.num_kv_heads + item.kv_head) * dim;
+    const int64_t block_offset = (block * block_size * p.num_kv_heads + item.first_kv_head) * dim;
     if (start + block_size <= last_pos) {
       const int64_t next = table[start / block_size + 1];
-      const int64_t next_offset = (next * block_size * p.num_kv_heads + item.kv_head) * dim;
+      const int64_t next_offset = (next * block_size * p.num_kv_heads + item.first_kv_head) * dim;
       prefetch_rows(static_cast<const T*>(p.key_cache) + next_offset, kv_token_stride,
-                    block_size, dim);
+                    block_size, run);
       prefetch_rows(static_cast<const T*>(p.value_cache) + next_offset, kv_token_stride,
-                    block_size, dim);
+                    block_size, run);
     }
-    const Rows keys = as_float_rows(static_cast<const T*>(p.key_cache) + offset,
-                                    kv_token_stride, len, dim, s.keys);
-    const Rows values = as_float_rows(static_cast<const T*>(p.value_cache) + offset,
-                                      kv_token_stride, len, dim, s.values);
     // Token t of the tile sees positions <= first_pos + t: rows before first_row see none here.
     const int64_t first_row = std::max<int64_t>(0, start - item.first_pos) * group;
-    for (int64_t r = first_row; r < rows; ++r) {
-      const int64_t seen = std::min(len, item.first_pos + r / group + 1 - start);
-      float* acc = s.acc + r * dim;
-      dot_keys(s.q + r * dim, keys, seen, dim, s.logits);
-      update_softmax(s.logits, seen, dim, s.max[r], s.sum[r], acc);
-      accumulate(s.logits, values, seen, dim, acc);
+    for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+      const int64_t offset = block_offset + h * dim;
+      const Rows keys = as_float_rows(static_cast<const T*>(p.key_cache) + offset,
+                                      kv_token_stride, len, dim, s.keys);
+      const Rows values = as_float_rows(static_cast<const T*>(p.value_cache) + offset,
+                                        kv_token_stride, len, dim, s.values);
+      for (int64_t r = first_row; r < rows; ++r) {
+        const int64_t seen = std::min(len, item.first_pos + r / group + 1 - start);
+        const int64_t row = h * rows + r;
+        float* acc = s.acc + row * dim;
+        dot_keys(s.q + row * dim, keys, seen, dim, s.logits);
+        update_softmax(s.logits, seen, dim, s.max[row], s.sum[row], acc);
+        accumulate(s.logits, values, seen, dim, acc);
+      }
     }
   }
 
-  T* out = static_cast<T*>(p.out) + item.first_token * p.num_heads * dim + head_offset;
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + (r / group) * p.num_heads * dim + (r % group) * dim;
-    store_scaled(s.acc + r * dim, 1.0f / s.sum[r], dst, dim);
+  for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+    const int64_t head_offset = (item.first_kv_head + h) * group * dim;
+    T* out = static_cast<T*>(p.out) + item.first_token * p.num_heads * dim + head_offset;
+    for (int64_t r = 0; r < rows; ++r) {
+      T* dst = out + (r / group) * p.num_heads * dim + (r % group) * dim;
+      const int64_t row = h * rows + r;
+      store_scaled(s.acc + row * dim, 1.0f / s.sum[row], dst, dim);
+    }
   }
 }
 
@@ -234,9 +254,9 @@ PAGEDSERVE_CPU_CLONES void attend_half(const AttentionParams& p, const WorkItem&
   attend<c10::Half>(p, item, s);
 }
 
-// Every sequence's new tokens cut into tiles of up to tile_tokens, for each kv head; costliest
-// first. Raises on offsets and lengths that do not fit the block table.
-std::vector<WorkItem> plan(const AttentionParams& p, int64_t tile_tokens) {
+// Every sequence's new tokens cut into tiles of up to tile_tokens, for each run of heads_per_item
+// kv heads; costliest first. Raises on offsets and lengths that do not fit the block table.
+std::vector<WorkItem> plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item) {
   std::vector<WorkItem> items;
   const int64_t capacity = p.max_num_blocks_per_seq * p.block_size;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
@@ -253,9 +273,9 @@ std::vector<WorkItem> plan(const AttentionParams& p, int64_t tile_tokens) {
                   table[b], " is not in the cache");
     }
     for (int64_t t = 0; t < q_len; t += tile_tokens) {
-      for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-        items.push_back({seq, kv_head, begin + t, std::min(tile_tokens, q_len - t),
-                         context_len - q_len + t});
+      for (int64_t kv_head = 0; kv_head < p.num_kv_heads; kv_head += heads_per_item) {
+        items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
+                         begin + t, std::min(tile_tokens, q_len - t), context_len - q_len + t});
       }
     }
   }
@@ -277,7 +297,12 @@ void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
   }
   const int64_t group = params.num_heads / params.num_kv_heads;
   const int64_t tile_tokens = params.query_start_loc ? std::max<int64_t>(1, kTileRows / group) : 1;
-  const std::vector<WorkItem> items = plan(params, tile_tokens);
+  // Whole blocks per decode item once there are enough sequences to keep every thread busy;
+  // prefill tiles reuse each row many times and stay one kv head each, as do small batches.
+  const bool whole_blocks = !params.query_start_loc &&
+                            params.num_seqs >= kMinItemsPerThread * at::get_num_threads();
+  const int64_t heads_per_item = whole_blocks ? params.num_kv_heads : 1;
+  const std::vector<WorkItem> items = plan(params, tile_tokens, heads_per_item);
   const int64_t num_items = static_cast<int64_t>(items.size());
   int64_t work = 0;  // multiply-adds: q.k and p.v per (row, position)
   for (const WorkItem& item : items) work += 2 * item.cost() * group * params.head_dim;
@@ -285,7 +310,7 @@ void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
                                     std::max<int64_t>(1, work / kMinWorkPerThread)});
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const Scratch scratch(params, tile_tokens * group);
+    const Scratch scratch(params, heads_per_item * tile_tokens * group);
     for (int64_t i = next++; i < num_items; i = next++) attend_item(params, items[i], scratch);
   });
 }
