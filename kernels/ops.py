@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 from types import ModuleType
 
@@ -23,7 +24,8 @@ def cuda_extension() -> ModuleType:
     return load(
         name="pagedserve_kernels",
         sources=[str(CSRC / name) for name in SOURCES],
-        extra_cuda_cflags=["-O3"],
+        extra_cflags=[_headers_flag()],
+        extra_cuda_cflags=["-O3", _headers_flag()],
     )
 
 
@@ -40,8 +42,18 @@ def cpu_extension() -> ModuleType:
     return load(
         name="pagedserve_cpu_kernels",
         sources=[str(CSRC / "cpu" / name) for name in CPU_SOURCES],
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", _headers_flag()],
     )
+
+
+@functools.cache
+def _headers_flag() -> str:
+    """A define naming the headers' content: torch rebuilds a cached extension when its
+    sources or flags change, and would not notice an edited header otherwise."""
+    digest = hashlib.sha256()
+    for header in sorted(CSRC.rglob("*.h")):
+        digest.update(header.read_bytes())
+    return f"-DPAGEDSERVE_HEADERS_SHA={digest.hexdigest()[:16]}"
 
 
 def reshape_and_cache(

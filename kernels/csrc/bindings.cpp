@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "tensor_checks.h"
 
 namespace pagedserve {
 namespace {
@@ -45,27 +46,10 @@ int alignment_of(const std::vector<int64_t>& values) {
 
 int64_t address(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
-void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  TORCH_CHECK(key_cache.is_cuda() && key_cache.dim() == 4 && key_cache.is_contiguous(),
-              "key_cache must be a contiguous CUDA tensor "
-              "[num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.device() == key_cache.device(),
-              "value_cache must match key_cache in shape, dtype, device and be contiguous");
-}
-
-void check_int_tensor(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name,
-                      const at::Device& device) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(), name,
-              " must be a contiguous ", dim, "-d ", dtype, " tensor");
-  TORCH_CHECK(t.device() == device, name, " must be on ", device);
-}
-
 void check_decode_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t partition_size) {
-  check_cache_pair(key_cache, value_cache);
+  check_cache_pair(key_cache, value_cache, at::kCUDA);
   const at::Device device = key_cache.device();
   TORCH_CHECK(query.dim() == 3 && query.device() == device &&
                   query.scalar_type() == key_cache.scalar_type(),
@@ -93,22 +77,8 @@ void check_decode_inputs(const at::Tensor& query, const at::Tensor& key_cache,
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_cache_pair(key_cache, value_cache);
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be "
-              "[num_tokens, num_kv_heads, head_dim] of the same shape");
-  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
-              "key rows do not match the cache's [num_kv_heads, head_dim]");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-                  value.scalar_type() == key_cache.scalar_type(),
-              "key, value and caches must share a dtype");
-  TORCH_CHECK(key.device() == key_cache.device() && value.device() == key_cache.device(),
-              "key, value and caches must be on one device");
-  for (const at::Tensor* t : {&key, &value}) {
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
-                "key and value must be contiguous within a token");
-  }
-  check_int_tensor(slot_mapping, at::kLong, 1, "slot_mapping", key_cache.device());
-  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping must have one slot per token");
+  check_cache_pair(key_cache, value_cache, at::kCUDA);
+  check_cache_write(key, value, key_cache, slot_mapping);
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t elem = key.element_size();
   const int64_t row_bytes = key.size(1) * key.size(2) * elem;

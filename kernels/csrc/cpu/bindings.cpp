@@ -13,37 +13,17 @@
 #include <cstdint>
 #include <optional>
 
+#include "../tensor_checks.h"
 #include "cpu_kernels.h"
 
 namespace pagedserve::cpu {
 namespace {
 
-void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  TORCH_CHECK(key_cache.device().is_cpu() && key_cache.dim() == 4 && key_cache.is_contiguous(),
-              "key_cache must be a contiguous CPU tensor "
-              "[num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.device() == key_cache.device(),
-              "value_cache must match key_cache in shape, dtype, device and be contiguous");
-}
-
-void check_int_tensor(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous() &&
-                  t.device().is_cpu(),
-              name, " must be a contiguous ", dim, "-d ", dtype, " CPU tensor");
-}
-
-// Row i of a [n, a, b] tensor is a*b contiguous elements.
-bool rows_contiguous(const at::Tensor& t) {
-  return t.stride(2) == 1 && t.stride(1) == t.size(2);
-}
-
 void check_attention_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens,
                             const std::optional<at::Tensor>& query_start_loc) {
-  check_cache_pair(key_cache, value_cache);
+  check_cache_pair(key_cache, value_cache, at::kCPU);
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu() &&
                   query.scalar_type() == key_cache.scalar_type(),
               "query must be a [num_tokens, num_heads, head_dim] CPU tensor of the caches' dtype");
@@ -52,12 +32,12 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key_cache
   TORCH_CHECK(query.size(2) % 8 == 0, "head_dim must be a multiple of 8, got ", query.size(2));
   TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
               "num_heads must be a multiple of num_kv_heads");
-  check_int_tensor(block_tables, at::kInt, 2, "block_tables");
-  check_int_tensor(context_lens, at::kInt, 1, "context_lens");
+  check_int_tensor(block_tables, at::kInt, 2, "block_tables", at::kCPU);
+  check_int_tensor(context_lens, at::kInt, 1, "context_lens", at::kCPU);
   const int64_t num_seqs = context_lens.size(0);
   TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables needs one row per sequence");
   if (query_start_loc) {
-    check_int_tensor(*query_start_loc, at::kInt, 1, "query_start_loc");
+    check_int_tensor(*query_start_loc, at::kInt, 1, "query_start_loc", at::kCPU);
     TORCH_CHECK(query_start_loc->size(0) == num_seqs + 1, "query_start_loc needs num_seqs + 1");
     const int32_t* loc = query_start_loc->data_ptr<int32_t>();
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
@@ -101,19 +81,8 @@ at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_
 
 void reshape_and_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_cache_pair(key_cache, value_cache);
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be "
-              "[num_tokens, num_kv_heads, head_dim] of the same shape");
-  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
-              "key rows do not match the cache's [num_kv_heads, head_dim]");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-                  value.scalar_type() == key_cache.scalar_type(),
-              "key, value and caches must share a dtype");
-  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be on CPU");
-  TORCH_CHECK(rows_contiguous(key) && rows_contiguous(value),
-              "key and value must be contiguous within a token");
-  check_int_tensor(slot_mapping, at::kLong, 1, "slot_mapping");
-  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping must have one slot per token");
+  check_cache_pair(key_cache, value_cache, at::kCPU);
+  check_cache_write(key, value, key_cache, slot_mapping);
   const int64_t elem = key.element_size();
   cpu::reshape_and_cache(static_cast<const char*>(key.data_ptr()),
                          static_cast<const char*>(value.data_ptr()),
@@ -199,7 +168,7 @@ void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, at::Ten
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(key.size(0) == query.size(0) && key.size(2) == head_dim && head_dim % 2 == 0,
               "query and key need the same tokens and an even head_dim");
-  check_int_tensor(positions, at::kLong, 1, "positions");
+  check_int_tensor(positions, at::kLong, 1, "positions", at::kCPU);
   TORCH_CHECK(positions.size(0) == query.size(0), "positions needs one entry per token");
   check_float_rows(cos, 2, "cos");
   TORCH_CHECK(sin.sizes() == cos.sizes() && sin.strides() == cos.strides() &&
