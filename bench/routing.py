@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,7 +43,7 @@ from bench.common import (
     pyplot,
     write_json,
 )
-from bench.launch import free_port, server
+from bench.launch import free_port, redis_url, server
 
 POLICIES = ("prefix", "round-robin")
 
@@ -66,29 +64,6 @@ def two_prompt_trace(args: argparse.Namespace) -> Trace:
         [t.output_lens[j] for t, j in alternating],
         [t.prompts[j] for t, j in alternating],
     )
-
-
-@contextlib.contextmanager
-def redis_url(url: str) -> Iterator[str]:
-    """``url`` when Redis answers there, else a private redis-server for the run."""
-    with contextlib.suppress(redis.RedisError):
-        if redis.Redis.from_url(url, socket_timeout=1).ping():
-            yield url
-            return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError(f"no Redis at {url} and no redis-server to start")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(0.5)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 @contextlib.contextmanager

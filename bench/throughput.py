@@ -7,8 +7,9 @@ fp32, torch threads and greedy sampling everywhere; each request generates exact
 first submission to last token.
 
     pagedserve  OfflineLLM in this process
-    services    `pagedserve serve` (executor + scheduler processes), every request sent at
-                once over HTTP (/v1/completions with token-id prompts, non-streaming)
+    services    `pagedserve serve` (executor + scheduler processes, every step journaled to
+                Redis: --redis, else a private redis-server), every request sent at once
+                over HTTP (/v1/completions with token-id prompts, non-streaming)
     hf          transformers `generate` in static batches of 8, 16 and 32 (slow: only the
                 first --hf-requests requests; pagedserve is also timed on those for the ratio)
     hf-cb       transformers' continuous batching (init_continuous_batching), whole trace
@@ -25,6 +26,7 @@ import asyncio
 import gc
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -51,7 +53,7 @@ from bench.common import (
     time_offline,
     write_json,
 )
-from bench.launch import NO_VLLM, pagedserve_server
+from bench.launch import NO_VLLM, pagedserve_server, redis_url
 
 SYSTEMS = ("pagedserve", "services", "hf", "hf-cb", "vllm")
 WARMUP_TOKENS = 4
@@ -73,8 +75,11 @@ def run_inprocess(trace: Trace, args: argparse.Namespace) -> Run:
 
 
 def run_services(trace: Trace, args: argparse.Namespace) -> Run:
-    with pagedserve_server(engine_flags(args)) as url:
-        wall, output_tokens = asyncio.run(_send_all(url, trace))
+    """`pagedserve serve` journaling every step to Redis, as deployed."""
+    with redis_url(args.redis) as store:
+        flags = engine_flags(args) | {"state_store": store, "namespace": f"bench-{uuid.uuid4()}"}
+        with pagedserve_server(flags) as url:
+            wall, output_tokens = asyncio.run(_send_all(url, trace))
     return Run(trace.num_requests, wall, sum(trace.prompt_lens), output_tokens)
 
 
@@ -217,6 +222,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="KV pool of both pagedserves")
+    p.add_argument(
+        "--redis",
+        default="redis://127.0.0.1:6379/0",
+        help="state store of the services (a private redis-server is started if none answers)",
+    )
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool in GiB")
     p.add_argument("--hf-requests", type=int, default=32, help="hf runs only the first N")
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes for hf")
