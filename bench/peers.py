@@ -125,7 +125,7 @@ def _cb_wait(manager: Any, jobs: dict[str, tuple[list[int], int]], bar: Any) -> 
 VLLM_SCRIPT = """
 import json, sys, time
 from vllm import LLM, SamplingParams
-model, max_model_len, seed, prompts, outs = json.load(sys.stdin)
+RESULT, model, max_model_len, seed, prompts, outs = json.load(sys.stdin)
 llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, seed=seed)
 prompts = [{"prompt_token_ids": p} for p in prompts]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
@@ -133,13 +133,14 @@ llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqd
 start = time.perf_counter()
 done = llm.generate(prompts, params)
 wall = time.perf_counter() - start
-print(json.dumps([wall, sum(len(o.outputs[0].token_ids) for o in done)]))
+print(RESULT, json.dumps([wall, sum(len(o.outputs[0].token_ids) for o in done)]), flush=True)
 """
+VLLM_RESULT = "PAGEDSERVE_BENCH_RESULT"  # vLLM logs to stdout too, even after the result
 
 
 def run_vllm(python: str, model_dir: Path, trace: Trace, max_model_len: int, seed: int) -> Run:
     """vLLM's offline LLM in its own venv, every core bound (PEERS.md)."""
-    job = [str(model_dir), max_model_len, seed, trace.prompts, trace.output_lens]
+    job = [VLLM_RESULT, str(model_dir), max_model_len, seed, trace.prompts, trace.output_lens]
     done = subprocess.run(
         [python, "-c", VLLM_SCRIPT],
         input=json.dumps(job),
@@ -148,5 +149,8 @@ def run_vllm(python: str, model_dir: Path, trace: Trace, max_model_len: int, see
         check=True,
         env=vllm_env() | dict(os.environ),  # the caller's settings win
     )
-    wall, output_tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    results = [line for line in done.stdout.splitlines() if line.startswith(VLLM_RESULT)]
+    if not results:
+        raise RuntimeError(f"vLLM printed no result; its output ended with: {done.stdout[-500:]}")
+    wall, output_tokens = json.loads(results[-1].removeprefix(VLLM_RESULT))
     return Run(trace.num_requests, wall, sum(trace.prompt_lens), output_tokens)
