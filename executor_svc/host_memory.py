@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-HUGE_PAGE = 2 << 20
+_HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
@@ -27,13 +27,13 @@ def zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """madvise(MADV_HUGEPAGE) over the pages the tensor's storage spans; False where the
+    """madvise(MADV_HUGEPAGE) over the whole pages of the tensor's storage; False where the
     platform or the kernel says no. Pages already touched stay small until khugepaged."""
     libc = _libc()
-    start = tensor.data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    if libc is None or end - start < HUGE_PAGE:
+    storage = tensor.untyped_storage()
+    end = storage.data_ptr() + storage.nbytes()
+    start = -(-storage.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    if libc is None or end - start < _HUGE_PAGE:
         return False
     length = (end - start) // mmap.PAGESIZE * mmap.PAGESIZE
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
