@@ -164,11 +164,22 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(path: Path, config: dict[str, Any], body: dict[str, Any]) -> None:
-    """``{"config", "machine", **body}`` with paths as strings."""
+    """``{"config", "machine", **body}`` with paths as portable strings (see _portable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in config.items()}
+    config = {k: _portable(v) for k, v in config.items()}
     result = {"config": config, "machine": machine(), **body}
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _portable(value: Any) -> Any:
+    """A path as the results should carry it in the repository: relative to the checkout when
+    it lies in the workspace (``../shared/bench/workload.py``), else only its last parts."""
+    if not isinstance(value, Path) and not (isinstance(value, str) and value.startswith("/")):
+        return value
+    path = Path(os.path.abspath(value))  # not resolve(): a venv python is a symlink
+    if path.is_relative_to(ROOT.parent):
+        return os.path.relpath(path, ROOT)
+    return str(Path("...", *path.parts[-3:]))
 
 
 def pyplot() -> Any:

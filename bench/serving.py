@@ -194,7 +194,7 @@ async def sweep(url: str, trace: Trace, args: argparse.Namespace, name: str) -> 
         if records and sum(not r.ok for r in records) > len(records) / 2:
             saturated = rate
         await asyncio.sleep(1.0)  # let cancelled requests drain out of the server
-    return {"model": model, "rates": rates}
+    return {"model": Path(model).name, "rates": rates}  # vLLM names it by its directory
 
 
 def run_system(name: str, trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
