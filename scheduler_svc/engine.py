@@ -215,12 +215,14 @@ class LLMEngine:
             "executor_instance": self.executor_instance,
         }
 
-    def recover(self, epoch: int | None = None) -> StepOutcome | None:
+    def recover(self, epoch: int | None = None) -> None:
         """Rebuild from the journal after a restart; replay the step in flight, if any.
 
         Args:
             epoch: the leader's fencing epoch; None takes a new one from the store.
-        Returns that step's outcome (its events are persisted for resuming clients).
+
+        The replayed step's events go to the journal with the next commit, where resuming
+        clients read them.
         """
         state = self.journal.begin(epoch)
         self.epoch = self.journal.epoch
@@ -236,7 +238,7 @@ class LLMEngine:
             events = self.journal.store.read_events(r.group.request_id)
             self.streams.restore(r.group, len(events))
         if state.pending_step is None or kv_lost:
-            return None
+            return
         step = step_from_json(state.pending_step)
         step.epoch = self.epoch
         by_seq = {s.seq_id: r.group for r in restored for s in r.group.seqs}
@@ -248,7 +250,7 @@ class LLMEngine:
         out = SchedulerOutput(scheduled=list(scheduled.values()))
         result = self.executor.execute(step)
         self._step_ids.value = step.step_id + 1
-        return self._apply(out, step, result)
+        self._apply(out, step, result)
 
     def _detokenize(self, outcome: StepOutcome) -> None:
         """Extend each sequence's text; a completed stop string ends the sequence there."""
