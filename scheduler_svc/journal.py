@@ -10,6 +10,10 @@ The results of step N-1 can wait for step N's commit because step N-1 is recorde
 pending until then: a restart sends the pending step again, and the executor, which
 applies a step id once, answers with the stored result. When the engine goes idle it
 flushes the last results with the pending step cleared.
+
+A group that only grew since its last write (the common decode step) is written as a
+delta appended to its stored value; every `COMPACT_AFTER` deltas, or when it changed in
+any other way, it is written whole again.
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ import os
 import signal
 
 from pagedserve.settings import crash_point
-from scheduler_svc.persistence import RestoredGroup, group_from_json, group_to_json
+from scheduler_svc.persistence import (
+    RestoredGroup,
+    StoredMark,
+    group_delta,
+    group_from_json,
+    group_to_json,
+    stored_mark,
+)
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SequenceGroup, SequenceStatus
 from scheduler_svc.state_store import StateStore, StepCommit, StoredState
 from scheduler_svc.streams import RequestDelta
+
+COMPACT_AFTER = 32  # deltas before a group is written whole again: bounds load and append cost
 
 
 class Journal:
@@ -37,6 +50,7 @@ class Journal:
         self._deleted: list[str] = []
         self._consumed: list[str] = []
         self._events: list[RequestDelta] = []  # deferred to the next commit
+        self._marks: dict[str, StoredMark] = {}  # what the store holds of each group
         self._crash_at = crash_point()
         self._num_steps = 0
 
@@ -45,6 +59,7 @@ class Journal:
         new fencing epoch taken here."""
         self.epoch = self.store.begin_epoch() if epoch is None else epoch
         state = self.store.load()
+        self._marks.clear()  # the first write of each group after a restart is whole
         self._commit_ids = itertools.count(state.last_commit_id + 1)
         return state
 
@@ -71,22 +86,36 @@ class Journal:
         self, scheduler: Scheduler, meta: dict[str, str], pending_step: str | None = None
     ) -> None:
         """Write every touched group, removal and deferred event in one atomic commit."""
-        upserts = {
-            rid: group_to_json(g, _queue_of(g), _tables_of(scheduler, g))
-            for rid, g in self._dirty.items()
-        }
+        upserts: dict[str, str] = {}
+        appends: dict[str, str] = {}
+        marks: dict[str, StoredMark] = {}
+        for rid, group in self._dirty.items():
+            queue, tables = _queue_of(group), _tables_of(scheduler, group)
+            mark = self._marks.get(rid)
+            delta = None
+            if mark is not None and mark.num_deltas < COMPACT_AFTER:
+                delta = group_delta(group, queue, tables, mark)
+            if delta is None:
+                upserts[rid] = group_to_json(group, queue, tables)
+            else:
+                appends[rid] = delta
+            marks[rid] = stored_mark(group, tables, 0 if delta is None else mark.num_deltas + 1)
         commit = StepCommit(
             epoch=self.epoch,
             commit_id=next(self._commit_ids),
             meta=meta,
             upsert_groups=upserts,
+            append_groups=appends,
             delete_groups=list(self._deleted),
             pending_step=pending_step,
             clear_pending_step=pending_step is None,
             events=[(e.request_id, e.to_json()) for e in self._events],
             new_requests_consumed=list(self._consumed),
         )
-        self.store.commit(commit)
+        self.store.commit(commit)  # raises, killing the engine, when it may not have landed
+        self._marks.update(marks)
+        for rid in self._deleted:
+            self._marks.pop(rid, None)
         self._dirty.clear()
         self._deleted.clear()
         self._consumed.clear()

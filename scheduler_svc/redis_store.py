@@ -5,7 +5,7 @@ Key layout, every key under `{namespace}:` so deployments can share one Redis:
     epoch                 string   fencing epoch (INCR by begin_epoch)
     last_commit           hash     {epoch, commit_id} of the last applied commit
     meta                  hash     engine facts (step_id, next_seq_id, ...)
-    groups                hash     request_id -> group JSON
+    groups                hash     request_id -> group JSON lines (a snapshot, then deltas)
     pending_step          string   step JSON sent to the executor, result not yet applied
     queue                 list     submitted, not yet consumed request ids, oldest first
     request:{request_id}  string   the submitted record
@@ -60,11 +60,19 @@ local last = redis.call('HMGET', KEYS[2], 'epoch', 'commit_id')
 if tonumber(last[1] or '0') == c.epoch and c.commit_id <= tonumber(last[2] or '0') then
   return 0
 end
+for k, _ in pairs(c.append_groups) do
+  if c.upsert_groups[k] == nil and redis.call('HEXISTS', KEYS[4], k) == 0 then
+    return redis.error_reply('NO_GROUP ' .. k)
+  end
+end
 redis.call('HSET', KEYS[2], 'epoch', c.epoch, 'commit_id', c.commit_id)
 local slot = {}
 for i, rid in ipairs(c.touched) do slot[rid] = 5 + 2 * i end
 for k, v in pairs(c.meta) do redis.call('HSET', KEYS[3], k, v) end
 for k, v in pairs(c.upsert_groups) do redis.call('HSET', KEYS[4], k, v) end
+for k, v in pairs(c.append_groups) do
+  redis.call('HSET', KEYS[4], k, redis.call('HGET', KEYS[4], k) .. '\\n' .. v)
+end
 for _, rid in ipairs(c.delete_groups) do redis.call('HDEL', KEYS[4], rid) end
 if c.pending_step then
   redis.call('SET', KEYS[5], c.pending_step)
@@ -240,6 +248,7 @@ class RedisStateStore:
             "touched": touched,
             "meta": commit.meta,
             "upsert_groups": commit.upsert_groups,
+            "append_groups": commit.append_groups,
             "delete_groups": commit.delete_groups,
             "clear_pending_step": commit.clear_pending_step,
             "events": commit.events,
@@ -259,7 +268,7 @@ class RedisStateStore:
         try:
             return bool(self._commit(keys=keys, args=args))
         except ResponseError as err:
-            _raise_epoch_mismatch(err, commit.epoch)
+            _raise_refusal(err, commit.epoch)
 
     def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
         start = max(after, 0)
@@ -302,7 +311,7 @@ class RedisStateStore:
         try:
             ids = self._take_aborts(keys=keys, args=[epoch])
         except ResponseError as err:
-            _raise_epoch_mismatch(err, epoch)
+            _raise_refusal(err, epoch)
         return list(dict.fromkeys(ids))
 
     def wait_for_work(self, timeout_s: float) -> bool:
@@ -320,8 +329,11 @@ class RedisStateStore:
         return wait_events(self, request_id, after, timeout_s)
 
 
-def _raise_epoch_mismatch(err: ResponseError, epoch: int) -> NoReturn:
-    """Turn a script's EPOCH_MISMATCH reply into StaleEpochError or ValueError."""
+def _raise_refusal(err: ResponseError, epoch: int) -> NoReturn:
+    """Turn a script's refusal into the StateStore's errors: EPOCH_MISMATCH into
+    StaleEpochError or ValueError, NO_GROUP (an append without a snapshot) into ValueError."""
+    if str(err).startswith("NO_GROUP"):
+        raise ValueError(f"appending to a group the store does not hold: {err}") from err
     if not str(err).startswith("EPOCH_MISMATCH"):
         raise err
     check_epoch(epoch, int(str(err).split()[1]))

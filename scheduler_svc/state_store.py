@@ -11,8 +11,9 @@ Rules shared by both stores:
 * Retries: commits are ordered by `(epoch, commit_id)`. A commit at or below the last applied
   one in the same epoch is a retry: ignored, `commit()` returns False. A new leader may restart
   its ids at 1 or continue from `load().last_commit_id`.
-* Inside a commit the order is: meta, group upserts, group deletes, pending step, events,
-  consumed submissions.
+* Inside a commit the order is: meta, group upserts, group appends, group deletes, pending
+  step, events, consumed submissions. An append adds a newline and its text to the group's
+  value; appending to a group the store does not hold refuses the whole commit (ValueError).
 * A submitted record lives while its request is queued, has a group, or has events; the
   commit or `delete_events` that ends the last of these drops it (its id may then be reused).
 * Replicas: any replica submits requests, asks for aborts and follows events; only the
@@ -44,6 +45,7 @@ class StepCommit:
     commit_id: int  # strictly increasing per writer within an epoch
     meta: dict[str, str] = field(default_factory=dict)  # engine facts to upsert
     upsert_groups: dict[str, str] = field(default_factory=dict)  # request_id -> group JSON
+    append_groups: dict[str, str] = field(default_factory=dict)  # request_id -> a JSON line
     delete_groups: list[str] = field(default_factory=list)  # finished request ids
     pending_step: str | None = None  # step JSON sent to the executor, result not yet applied
     clear_pending_step: bool = False
@@ -67,7 +69,7 @@ class StoredState:
     epoch: int
     last_commit_id: int  # id of the last applied commit (whatever its epoch)
     meta: dict[str, str]
-    groups: dict[str, str]  # request_id -> group JSON
+    groups: dict[str, str]  # request_id -> group JSON lines
     pending_step: str | None
 
 
@@ -230,9 +232,15 @@ class InMemoryStateStore:
             check_epoch(commit.epoch, self._root._epoch)
             if (commit.epoch, commit.commit_id) <= self._last_commit:
                 return False
+            missing = commit.append_groups.keys() - self._groups.keys()
+            missing -= commit.upsert_groups.keys()
+            if missing:
+                raise ValueError(f"appending to groups the store does not hold: {sorted(missing)}")
             self._last_commit = (commit.epoch, commit.commit_id)
             self._meta.update(commit.meta)
             self._groups.update(commit.upsert_groups)
+            for rid, line in commit.append_groups.items():
+                self._groups[rid] += "\n" + line
             for rid in commit.delete_groups:
                 self._groups.pop(rid, None)
             if commit.pending_step is not None:

@@ -9,10 +9,12 @@ import pytest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep
 from scheduler_svc.persistence import (
+    group_delta,
     group_from_json,
     group_to_json,
     step_from_json,
     step_to_json,
+    stored_mark,
 )
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -47,6 +49,72 @@ def test_a_group_reads_back_equal_with_its_block_tables() -> None:
     assert restored.group == group
     assert restored.queue == "running"
     assert restored.block_tables == tables
+
+
+def _running_group() -> tuple[SequenceGroup, dict[int, tuple[list[int], int]]]:
+    seqs = [
+        Sequence(1, [10, 11, 12], [13], SequenceStatus.RUNNING, -0.5, 3, [-0.5], [{13: -0.5}]),
+        Sequence(2, [10, 11, 12], [], SequenceStatus.WAITING),
+    ]
+    seqs[0].output_text, seqs[0].prefix_offset, seqs[0].read_offset = "Hi", 0, 1
+    return SequenceGroup("req-2", seqs, 7.0, PARAMS), {1: ([3], 4)}
+
+
+def test_a_group_grown_by_steps_reads_back_from_its_deltas() -> None:
+    group, tables = _running_group()
+    stored = group_to_json(group, "running", tables)
+    mark = stored_mark(group, tables)
+    blocks = {1: [3], 2: []}  # the second sequence gets its first block at step 0
+    for step in range(3):
+        first, second = group.seqs
+        first.append_token(20 + step, -0.25, {20 + step: -0.25, 9: -2.0})
+        first.num_computed_tokens += 1
+        first.output_text += ' "ü\n🦙'  # what a JSON line must escape
+        first.prefix_offset, first.read_offset = first.read_offset, len(first.output_token_ids)
+        second.status = SequenceStatus.RUNNING
+        blocks[1].append(5 + step)
+        blocks[2].append(8 + step)
+        if step == 2:
+            first.status, group.num_preemptions = SequenceStatus.FINISHED_LENGTH, 1
+        tables = {seq_id: (list(table), 4 + step) for seq_id, table in blocks.items()}
+        delta = group_delta(group, "swapped", tables, mark)
+        assert delta is not None and "\n" not in delta
+        stored += "\n" + delta
+        mark = stored_mark(group, tables)
+    restored = group_from_json(stored)
+    assert restored.group == group
+    assert restored.queue == "swapped"
+    assert restored.block_tables == {1: ([3, 5, 6, 7], 6), 2: ([8, 9, 10], 6)}
+
+
+def _fork(group: SequenceGroup) -> None:
+    group.seqs.append(group.seqs[0].fork(3))
+
+
+def _cut_at_stop(group: SequenceGroup) -> None:
+    group.seqs[0].output_text = "H"
+
+
+def _reorder(group: SequenceGroup) -> None:
+    group.seqs.reverse()
+
+
+@pytest.mark.parametrize(
+    ("change", "tables"),
+    [
+        (_fork, {1: ([3], 4)}),
+        (_cut_at_stop, {1: ([3], 4)}),
+        (_reorder, {1: ([3], 4)}),
+        (None, {1: ([9], 4)}),  # swapped out: the block moved
+        (None, {}),  # preempted for recompute: the blocks are gone
+    ],
+)
+def test_a_change_that_is_not_an_append_has_no_delta(change, tables) -> None:
+    group, old_tables = _running_group()
+    mark = stored_mark(group, old_tables)
+    if change is not None:
+        change(group)
+    assert group_delta(group, "running", tables, mark) is None
 
 
 def test_another_schema_version_is_refused() -> None:

@@ -8,20 +8,12 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-import pytest
-
-from executor_svc.executor import Executor
-from pagedserve.model_files import load_tokenizer
-from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.detokenizer import Detokenizer
 from scheduler_svc.engine import LLMEngine
-from scheduler_svc.journal import Journal
-from scheduler_svc.state_store import InMemoryStateStore, StepCommit
+from scheduler_svc.state_store import InMemoryStateStore, StateStore, StepCommit
 from scheduler_svc.store_stream import request_record
 
 REQUEST, HELD_EVENT, MAX_TOKENS = "resumed", 4, 8
@@ -43,26 +35,11 @@ class GatedStore(InMemoryStateStore):
         return super().commit(commit)
 
 
-@pytest.fixture(scope="module")
-def executor(tiny_chat_model_dir: Path) -> tuple[Executor, ModelInfo]:
-    config = ExecutorConfig(model=str(tiny_chat_model_dir), num_gpu_blocks=64, swap_space=0.01)
-    executor = Executor(config)
-    return executor, executor.init_cache()
-
-
 def test_an_event_published_before_the_client_listened_is_not_lost(
-    executor: tuple[Executor, ModelInfo], tiny_chat_model_dir: Path
+    journaled_engine: Callable[[StateStore], LLMEngine],
 ) -> None:
     store = GatedStore()
-    ex, info = executor
-    cache = CacheConfig(
-        block_size=info.block_size,
-        num_gpu_blocks=info.num_gpu_blocks,
-        num_cpu_blocks=info.num_cpu_blocks,
-    )
-    sched = SchedulerConfig(max_num_batched_tokens=8192, max_model_len=info.max_model_len)
-    detokenizer = Detokenizer(load_tokenizer(tiny_chat_model_dir))
-    engine = LLMEngine(ex, cache, sched, info.eos_token_id, detokenizer, Journal(store))
+    engine = journaled_engine(store)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = [100, 200, 300, 400]
 

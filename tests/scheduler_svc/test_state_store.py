@@ -128,6 +128,30 @@ def test_commit_round_trip(store: StateStore) -> None:
     assert [i for i, _ in store.read_events("a")] == [1, 2, 3, 4]
 
 
+def test_appends_extend_a_group_and_refuse_a_group_not_held(store: StateStore) -> None:
+    epoch = store.begin_epoch()
+    odd = '{"text": "ünï\\n🦙"}'
+    assert store.commit(StepCommit(epoch, 1, upsert_groups={"a": '{"v": 0}'}))
+    assert store.commit(StepCommit(epoch, 2, append_groups={"a": '{"v": 1}'}))
+    assert store.commit(
+        StepCommit(
+            epoch,
+            3,
+            upsert_groups={"b": '{"v": 0}'},
+            append_groups={"a": odd, "b": '{"v": 1}'},
+        )
+    )
+    assert store.load().groups == {"a": '{"v": 0}\n{"v": 1}\n' + odd, "b": '{"v": 0}\n{"v": 1}'}
+
+    refused = StepCommit(epoch, 4, meta={"x": "1"}, append_groups={"a": "{}", "c": "{}"})
+    with pytest.raises(ValueError, match="c"):
+        store.commit(refused)
+    state = store.load()
+    assert (state.last_commit_id, state.meta, state.groups["a"].count("\n")) == (3, {}, 2)
+    assert store.commit(StepCommit(epoch, 4, upsert_groups={"a": "{}"}))  # id 4 still free
+    assert store.load().groups["a"] == "{}"
+
+
 def test_pending_step_and_clear_together_is_a_caller_error() -> None:
     with pytest.raises(ValueError):
         StepCommit(1, 1, pending_step="{}", clear_pending_step=True)
