@@ -41,10 +41,15 @@ class RequestDelta:
     finished: bool = False
 
     def to_json(self) -> str:
-        data = dataclasses.asdict(self)
-        for out in data["outputs"]:
-            out["top_logprobs"] = [list(top.items()) for top in out["top_logprobs"]]
-        return json.dumps(data)
+        # By field names: dataclasses.asdict deep-copies, and this runs for every request
+        # of every step.
+        outputs = []
+        for out in self.outputs:
+            data = {name: getattr(out, name) for name in _SEQ_DELTA_FIELDS}
+            data["top_logprobs"] = [list(top.items()) for top in out.top_logprobs]
+            outputs.append(data)
+        data = {name: getattr(self, name) for name in _REQUEST_DELTA_FIELDS}
+        return json.dumps(data | {"outputs": outputs})
 
     @classmethod
     def from_json(cls, text: str) -> RequestDelta:
@@ -54,6 +59,12 @@ class RequestDelta:
             out["top_logprobs"] = [dict(map(tuple, top)) for top in out["top_logprobs"]]
             outputs.append(SeqDelta(**out))
         return cls(**data, outputs=outputs)
+
+
+_SEQ_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(SeqDelta))
+_REQUEST_DELTA_FIELDS = tuple(
+    f.name for f in dataclasses.fields(RequestDelta) if f.name != "outputs"
+)
 
 
 class StreamTracker:

@@ -17,6 +17,7 @@ from scheduler_svc.persistence import (
     stored_mark,
 )
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.streams import RequestDelta, SeqDelta
 
 PARAMS = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n\n",), stop_token_ids=(2, 7))
 
@@ -115,6 +116,15 @@ def test_a_change_that_is_not_an_append_has_no_delta(change, tables) -> None:
     if change is not None:
         change(group)
     assert group_delta(group, "running", tables, mark) is None
+
+
+def test_a_stream_event_reads_back_equal() -> None:
+    outputs = [
+        SeqDelta(0, ' "ü\n', [5, 6], [-0.5, -1.0], [{5: -0.5, 9: -2.0}, {6: -1.0}]),
+        SeqDelta(1, "", [], [], [], finish_reason="length"),
+    ]
+    event = RequestDelta("req-3", 12, event=4, outputs=outputs, finished=True)
+    assert RequestDelta.from_json(event.to_json()) == event
 
 
 def test_another_schema_version_is_refused() -> None:
