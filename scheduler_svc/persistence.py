@@ -3,7 +3,7 @@ the step in flight. Versioned; never pickle.
 
 A group's stored value is JSON lines: a snapshot, then one delta per step that only
 appended to it (new tokens, text and blocks). Rewriting every running group whole at
-every step cost O(tokens) per step and was most of the scheduler's time between steps.
+every step cost O(tokens) per step, the largest part of the scheduler's work between steps.
 """
 
 from __future__ import annotations
@@ -166,9 +166,8 @@ def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
     restored.queue = delta["queue"]
     restored.group.num_preemptions = delta["num_preemptions"]
     by_id = {seq.seq_id: seq for seq in restored.group.seqs}
-    for seq_id, status, computed, cum, prefix, read, ids, lps, tops, text, blocks, slots in delta[
-        "seqs"
-    ]:
+    for entry in delta["seqs"]:  # the fields in group_delta's order
+        seq_id, status, computed, cum, prefix, read, ids, lps, tops, text, blocks, slots = entry
         seq = by_id[seq_id]
         seq.status = SequenceStatus(status)
         seq.num_computed_tokens = computed
