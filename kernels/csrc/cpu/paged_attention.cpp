@@ -6,8 +6,8 @@
 // [block_size, num_kv_heads, head_dim]: one kv head's rows are strided, and read alone they ran
 // at a third of the memory bandwidth here (the hardware prefetchers follow whole lines), so a
 // decode item takes all kv heads of its sequence and reads each block as one run. It walks the
-// sequence's blocks through the block table, prefetching the next one, with an online softmax
-// over rows r = (tile token t, head g of the group):
+// sequence's blocks through the block table, prefetching the next one as it goes, with an online
+// softmax over rows r = (tile token t, head g of the group):
 //
 //   context:  [ blk b0 | blk b1 | ... | blk b_last ]      b_last may be partial
 //   per block, for the positions j of the block that row r may see (j <= its own position):
@@ -89,14 +89,39 @@ class Scratch {
   std::vector<float> buffer_;
 };
 
-// Asks for n rows of `width` elements into the cache ahead of their use.
+// Pulls the next block's K and V rows toward L2 a slice at a time, one slice before each row's
+// pass over the current block. Asked for all at once, the prefetches filled the miss queue and
+// stalled the core (a quarter of the kernel's samples sat on them) rather than overlapping with
+// the arithmetic; spread out, decode attention ran 1.4-2x faster here.
 template <typename T>
-PAGEDSERVE_INLINE void prefetch_rows(const T* rows, int64_t stride, int64_t n, int64_t width) {
-  constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t e = 0; e < width; e += kLine) __builtin_prefetch(rows + i * stride + e);
+class NextBlockPrefetch {
+ public:
+  NextBlockPrefetch() = default;
+  // `rows` rows of `width` elements at `stride`, in both caches; `slices` calls to take them.
+  NextBlockPrefetch(const T* keys, const T* values, int64_t stride, int64_t rows, int64_t width,
+                    int64_t slices)
+      : keys_(keys),
+        values_(values),
+        stride_(stride),
+        lines_per_row_((width + kLine - 1) / kLine),
+        total_(rows * lines_per_row_),
+        slice_((total_ + slices - 1) / slices) {}
+
+  PAGEDSERVE_INLINE void next_slice() {
+    const int64_t end = std::min(total_, line_ + slice_);
+    for (; line_ < end; ++line_) {
+      const int64_t offset = line_ / lines_per_row_ * stride_ + line_ % lines_per_row_ * kLine;
+      __builtin_prefetch(keys_ + offset, 0, 2);  // 2: into L2, where a block fits
+      __builtin_prefetch(values_ + offset, 0, 2);
+    }
   }
-}
+
+ private:
+  static constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  const T* keys_ = nullptr;
+  const T* values_ = nullptr;
+  int64_t stride_ = 0, lines_per_row_ = 0, total_ = 0, slice_ = 0, line_ = 0;
+};
 
 // logits[j] = q . keys[j] for j < n. Eight keys at a time share each load of q and end in one
 // transposing reduction.
@@ -202,13 +227,13 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
     const int64_t block = table[start / block_size];
     const int64_t len = std::min(block_size, last_pos + 1 - start);
     const int64_t block_offset = (block * block_size * p.num_kv_heads + item.first_kv_head) * dim;
+    NextBlockPrefetch<T> prefetch;
     if (start + block_size <= last_pos) {
       const int64_t next = table[start / block_size + 1];
       const int64_t next_offset = (next * block_size * p.num_kv_heads + item.first_kv_head) * dim;
-      prefetch_rows(static_cast<const T*>(p.key_cache) + next_offset, kv_token_stride,
-                    block_size, run);
-      prefetch_rows(static_cast<const T*>(p.value_cache) + next_offset, kv_token_stride,
-                    block_size, run);
+      prefetch = NextBlockPrefetch<T>(static_cast<const T*>(p.key_cache) + next_offset,
+                                      static_cast<const T*>(p.value_cache) + next_offset,
+                                      kv_token_stride, block_size, run, all_rows);
     }
     // Token t of the tile sees positions <= first_pos + t: rows before first_row see none here.
     const int64_t first_row = std::max<int64_t>(0, start - item.first_pos) * group;
@@ -222,6 +247,7 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
         const int64_t seen = std::min(len, item.first_pos + r / group + 1 - start);
         const int64_t row = h * rows + r;
         float* acc = s.acc + row * dim;
+        prefetch.next_slice();
         dot_keys(s.q + row * dim, keys, seen, dim, s.logits);
         update_softmax(s.logits, seen, dim, s.max[row], s.sum[row], acc);
         accumulate(s.logits, values, seen, dim, acc);
