@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from kernels import sampling_ops
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SeqOutput, SeqStep
 
@@ -32,6 +33,10 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} seqs")
         if not seqs:
             return []
+        if all(_plain_greedy(seq) for seq in seqs):
+            token_ids, chosen = sampling_ops.greedy(logits)
+            pairs = zip(seqs, token_ids.tolist(), chosen.tolist(), strict=True)
+            return [SeqOutput(seq.seq_id, [token], [logprob], []) for seq, token, logprob in pairs]
         vocab_size = logits.shape[1]
         for seq in seqs:
             if seq.sampling_params.use_beam_search and seq.num_samples > vocab_size:
@@ -41,8 +46,15 @@ class Sampler:
         if any(t != 1.0 for t in temps):  # a full pass over the vocabulary: skip it if we can
             logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
         logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
-        token_ids = _draw(logprobs, seqs)  # [num_seqs, max_samples]
+        token_ids = _draw(logits, logprobs, seqs)  # [num_seqs, max_samples]
         return _build_outputs(logprobs, token_ids, seqs)
+
+
+def _plain_greedy(seq: SeqStep) -> bool:
+    """One argmax token with its logprob and nothing else: the common case, one fused pass."""
+    p = seq.sampling_params
+    plain = p.temperature == 0 and not p.use_beam_search and not p.has_penalties
+    return plain and seq.num_samples == 1 and not p.logprobs
 
 
 def _params(seqs: list[SeqStep]) -> list[SamplingParams]:
@@ -97,18 +109,20 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
     return logits
 
 
-def _draw(logprobs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, logprobs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
     """Token ids, greedy by default, overwritten for beam rows and sampled rows; columns
-    past a row's ``num_samples`` are padding.
+    past a row's ``num_samples`` are padding. The greedy choice is the logits' argmax, as on
+    the fused greedy path, so a greedy row draws the same token in any batch.
 
     Args:
-        logprobs: ``[num_seqs, vocab_size]`` scaled log-probabilities.
+        logits: ``[num_seqs, vocab_size]`` penalized, scaled logits.
+        logprobs: their log-softmax.
     Returns:
         ``[num_seqs, max_samples]`` long.
     """
     device = logprobs.device
     max_samples = max(seq.num_samples for seq in seqs)
-    token_ids = logprobs.argmax(dim=-1, keepdim=True).repeat(1, max_samples)
+    token_ids = logits.argmax(dim=-1, keepdim=True).repeat(1, max_samples)
     params = _params(seqs)
     beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
     if beam_rows:

@@ -13,7 +13,14 @@ from torch import Tensor
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
-CPU_SOURCES = ("bindings.cpp", "paged_attention.cpp", "cache.cpp", "linear.cpp", "layers.cpp")
+CPU_SOURCES = (
+    "bindings.cpp",
+    "paged_attention.cpp",
+    "cache.cpp",
+    "linear.cpp",
+    "layers.cpp",
+    "sampling.cpp",
+)
 
 
 @functools.cache

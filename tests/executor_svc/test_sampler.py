@@ -43,6 +43,23 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax() -> None:
         assert out.top_logprobs == []
 
 
+def test_a_greedy_row_draws_the_same_alone_as_beside_other_rows() -> None:
+    # Alone, plain greedy rows take the fused pass; beside a sampled, a penalized and a
+    # logprobs row, the general one.
+    logits = random_logits(4, vocab=1000)
+    greedy = [make_seq(i, temperature=0.0) for i in range(4)]
+    alone = Sampler()(logits, greedy)
+    others = [
+        make_seq(4, temperature=1.0, seed=1),
+        make_seq(5, temperature=0.0, presence_penalty=1.0),
+        make_seq(6, temperature=0.0, logprobs=2),
+    ]
+    mixed = Sampler()(torch.cat([logits, random_logits(3, seed=1, vocab=1000)]), greedy + others)
+    for one, other in zip(alone, mixed[:4], strict=True):
+        assert one.token_ids == other.token_ids
+        assert one.logprobs == pytest.approx(other.logprobs, abs=1e-5)
+
+
 def test_greedy_with_several_samples_repeats_argmax() -> None:
     logits = random_logits(1)
     (out,) = Sampler()(logits, [make_seq(num_samples=3, temperature=0.0)])

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <tuple>
 #include <optional>
 
 #include "../tensor_checks.h"
@@ -159,6 +160,23 @@ at::Tensor silu_and_mul_op(const at::Tensor& gate_up) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> greedy_op(const at::Tensor& logits) {
+  check_float_rows(logits, 2, "logits");
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31),
+              "logits need between 1 and 2^31 - 1 columns");
+  at::Tensor token_ids = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({logits.size(0)}, logits.options());
+  GreedyParams p{};
+  p.token_ids = token_ids.data_ptr<int64_t>();
+  p.logprobs = logprobs.data_ptr<float>();
+  p.logits = logits.data_ptr<float>();
+  p.row_stride = logits.stride(0);
+  p.num_rows = logits.size(0);
+  p.vocab_size = logits.size(1);
+  cpu::greedy(p);
+  return {token_ids, logprobs};
+}
+
 void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                          const at::Tensor& cos, const at::Tensor& sin) {
   for (const at::Tensor* t : {&query, &key}) {
@@ -205,6 +223,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &pagedserve::cpu::rms_norm_op, py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("silu_and_mul", &pagedserve::cpu::silu_and_mul_op, py::arg("gate_up"));
+  m.def("greedy", &pagedserve::cpu::greedy_op, py::arg("logits"),
+        "(argmax, log_softmax at the argmax) of each row");
   m.def("rotary_embedding", &pagedserve::cpu::rotary_embedding_op, py::arg("positions"),
         py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"),
         "rotates query and key in place");

@@ -68,6 +68,18 @@ struct SiluAndMulParams {
 // out = silu(gate) * up (SwiGLU).
 void silu_and_mul(const SiluAndMulParams& params);
 
+struct GreedyParams {
+  int64_t* token_ids;    // [num_rows]
+  float* logprobs;       // [num_rows]: log_softmax of the row at its token
+  const float* logits;   // [num_rows, vocab_size], rows contiguous
+  int64_t row_stride;    // elements between two rows of logits
+  int64_t num_rows;
+  int64_t vocab_size;
+};
+
+// Each row's argmax (first of equal maxima) and its log-probability under softmax.
+void greedy(const GreedyParams& params);
+
 struct RotaryParams {
   float* query;                // [num_tokens, num_query_heads, head_dim], heads contiguous
   float* key;                  // [num_tokens, num_key_heads, head_dim], heads contiguous
