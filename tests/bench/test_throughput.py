@@ -65,6 +65,8 @@ def test_throughput_hf_static_and_continuous(tmp_path: Path, tiny_chat_model_dir
     assert result["ratios"]["hf"] == round(
         hf["output_tokens_per_s"] / head["output_tokens_per_s"], 3
     )
+    whole_trace = systems["pagedserve"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    assert result["pagedserve_rate_over_best_hf_static"] == round(whole_trace, 3)
     assert systems["hf-cb"]["output_tokens"] == sum(trace.output_lens)
     assert systems["hf-cb"]["output_tokens_per_s"] > 0
     assert systems["services"]["skipped"].startswith("not selected")
