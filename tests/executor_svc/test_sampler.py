@@ -60,6 +60,19 @@ def test_a_greedy_row_draws_the_same_alone_as_beside_other_rows() -> None:
         assert one.logprobs == pytest.approx(other.logprobs, abs=1e-5)
 
 
+def test_a_near_tie_that_log_softmax_rounds_away_keeps_its_greedy_token() -> None:
+    # The two logits are one ulp apart, which log_softmax's rounding erases: both paths take
+    # the logits' argmax, so the company in the batch cannot change the token.
+    low = torch.tensor(0.01)
+    logits = torch.tensor([[low.item(), torch.nextafter(low, torch.tensor(1.0)).item(), -3.0]])
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    assert log_softmax[0, 0] == log_softmax[0, 1]  # the tie this test is about
+    (alone,) = Sampler()(logits, [make_seq(0, temperature=0.0)])
+    beside = [make_seq(0, temperature=0.0), make_seq(1, temperature=0.0, logprobs=1)]
+    mixed = Sampler()(torch.cat([logits, logits]), beside)
+    assert alone.token_ids == mixed[0].token_ids == [1]
+
+
 def test_greedy_with_several_samples_repeats_argmax() -> None:
     logits = random_logits(1)
     (out,) = Sampler()(logits, [make_seq(num_samples=3, temperature=0.0)])

@@ -6,22 +6,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cmath>
 
 #include "cpu_kernels.h"
+#include "grain.h"
 #include "vec.h"
 
 namespace pagedserve::cpu {
 namespace {
-
-// Elements a thread takes at least (about 1 MB): a decode step's few rows stay on one thread,
-// where a fork/join would cost more than the work, and wait on a preempted peer besides.
-constexpr int64_t kGrainElements = 1 << 18;
-
-int64_t grain_rows(int64_t row_elements) {
-  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
-}
 
 PAGEDSERVE_INLINE float sum_of_squares(const float* x, int64_t n) {
   vfloat acc = {};

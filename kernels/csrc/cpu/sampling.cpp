@@ -6,17 +6,15 @@
 // logprob = x[argmax] - max - log(sum) = -log(sum).
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "cpu_kernels.h"
+#include "grain.h"
 #include "vec.h"
 
 namespace pagedserve::cpu {
 namespace {
-
-constexpr int64_t kGrainElements = 1 << 18;  // as in layers.cpp: about 1 MB per thread at least
 
 // The row's max and the first index holding it (torch.argmax's tie rule). NaNs never win.
 PAGEDSERVE_INLINE void row_argmax(const float* x, int64_t n, float& max, int64_t& index) {
@@ -32,7 +30,7 @@ PAGEDSERVE_INLINE void row_argmax(const float* x, int64_t n, float& max, int64_t
   }
   max = -std::numeric_limits<float>::infinity();
   index = 0;
-  for (int l = 0; l < kWidth && i > 0; ++l) {
+  for (int l = 0; l < kWidth; ++l) {  // lanes never loaded hold -inf and lose
     if (best[l] > max || (best[l] == max && best_at[l] < index)) {
       max = best[l];
       index = best_at[l];
@@ -65,8 +63,7 @@ PAGEDSERVE_CPU_CLONES void greedy_rows(const GreedyParams& p, int64_t begin, int
 }  // namespace
 
 void greedy(const GreedyParams& params) {
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / params.vocab_size);
-  at::parallel_for(0, params.num_rows, grain,
+  at::parallel_for(0, params.num_rows, grain_rows(params.vocab_size),
                    [&](int64_t begin, int64_t end) { greedy_rows(params, begin, end); });
 }
 
