@@ -1,9 +1,11 @@
-"""Host memory for the KV pool on a CPU executor, backed by transparent huge pages.
+"""Host memory for the KV pool and the weights on a CPU executor, backed by transparent
+huge pages.
 
 Paged attention reads blocks scattered over a pool of hundreds of MB: with 4 KiB pages each
 block's rows cost TLB misses and page walks, and the kernel stalls on them. With 2 MiB pages
-decode attention at batch 128, 1024 tokens each, ran 1.3 times faster here. Linux only;
-elsewhere the memory is plain.
+decode attention at batch 128, 1024 tokens each, ran 1.3 times faster here. Every decode step
+also streams all the weights (540 MB for the default model): on huge pages a step of one
+sequence took 46 ms instead of 56 here. Linux only; elsewhere the memory is plain.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import torch
 
 _HUGE_PAGE = 2 << 20
+_CACHE_LINE = 64
 _MADV_HUGEPAGE = 14
 
 
@@ -24,6 +27,26 @@ def zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(dims, dtype=dtype)
     advise_huge_pages(tensor)
     return tensor.zero_()
+
+
+def pack_parameters(module: torch.nn.Module) -> None:
+    """Move the module's parameters into one huge-page buffer per dtype, as views of it.
+
+    Tied parameters stay tied: ``parameters()`` yields a shared one once.
+    """
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in module.parameters():
+        by_dtype.setdefault(param.dtype, []).append(param)
+    for dtype, params in by_dtype.items():
+        align = _CACHE_LINE // dtype.itemsize  # each parameter starts on a cache line
+        sizes = [-(-p.numel() // align) * align for p in params]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        advise_huge_pages(flat)
+        offset = 0
+        for param, size in zip(params, sizes, strict=True):
+            view = flat[offset : offset + param.numel()].view_as(param)
+            param.data = view.copy_(param.data)
+            offset += size
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

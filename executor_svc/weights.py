@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from executor_svc import host_memory
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.parallel import Shard
 from pagedserve.model_files import load_config
@@ -37,6 +38,8 @@ def load_model(
                 model.load_hf_state_dict(shard.shard_weights(weights) if shard else weights)
     if shard is not None:
         shard.add_all_reduces(model)
+    if device.type == "cpu":
+        host_memory.pack_parameters(model)
     return model.eval()
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
 from executor_svc.cache_engine import CacheEngine, CacheShape
@@ -54,32 +51,3 @@ def test_swap_out_then_in_round_trips_exactly():
         for old, new in [(3, 2), (5, 6), (9, 7)]:
             assert torch.equal(key[new], old_key[old])
             assert torch.equal(value[new], old_value[old])
-
-
-@pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
-    reason="needs Linux with transparent huge pages",
-)
-def test_a_host_kv_pool_is_advised_for_huge_pages():
-    # 16 MiB per layer tensor: large enough to hold whole 2 MiB pages.
-    shape = CacheShape(
-        num_layers=1, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32
-    )
-    engine = CacheEngine(shape, num_gpu_blocks=1024, num_cpu_blocks=0, device=torch.device("cpu"))
-    key, value = engine.gpu_cache[0]
-    assert not key.any() and not value.any()
-    for tensor in (key, value):
-        assert "hg" in _vm_flags(tensor.data_ptr() + tensor.nbytes // 2)
-
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address``, from /proc/self/smaps."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")

@@ -1,0 +1,80 @@
+"""Huge-page host memory: the KV pool and the packed weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from executor_svc import host_memory
+from executor_svc.cache_engine import CacheEngine, CacheShape
+
+needs_thp = pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="needs Linux with transparent huge pages",
+)
+
+
+@needs_thp
+def test_a_host_kv_pool_is_advised_for_huge_pages():
+    # 16 MiB per layer tensor: large enough to hold whole 2 MiB pages.
+    shape = CacheShape(
+        num_layers=1, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32
+    )
+    engine = CacheEngine(shape, num_gpu_blocks=1024, num_cpu_blocks=0, device=torch.device("cpu"))
+    key, value = engine.gpu_cache[0]
+    assert not key.any() and not value.any()
+    for tensor in (key, value):
+        assert "hg" in _vm_flags(tensor.data_ptr() + tensor.nbytes // 2)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 1000)  # 4 MB: holds a whole 2 MiB page
+        self.head = nn.Linear(1000, 1000, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.Linear(7, 3)  # odd sizes: the next parameter must stay aligned
+        self.fp16 = nn.Linear(8, 8).to(torch.float16)
+
+
+def test_packed_parameters_keep_values_ties_and_alignment():
+    torch.manual_seed(0)
+    module = Tied()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    x = torch.randn(2, 7)
+    expected = module.norm(x)
+    host_memory.pack_parameters(module)
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]), name
+        assert p.data_ptr() % 64 == 0, name
+        assert isinstance(p, nn.Parameter)
+    assert module.head.weight is module.embed.weight
+    float32 = [p for p in module.parameters() if p.dtype == torch.float32]
+    assert len({p.untyped_storage().data_ptr() for p in float32}) == 1  # one buffer per dtype
+    fp16 = module.fp16.weight.untyped_storage().data_ptr()
+    assert fp16 != float32[0].untyped_storage().data_ptr()
+    assert torch.equal(module.norm(x), expected)
+
+
+@needs_thp
+def test_packed_parameters_are_advised_for_huge_pages():
+    module = Tied()
+    host_memory.pack_parameters(module)
+    weight = module.embed.weight
+    assert "hg" in _vm_flags(weight.data_ptr() + weight.nbytes // 2)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
