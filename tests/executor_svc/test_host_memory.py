@@ -52,6 +52,7 @@ def test_packed_parameters_keep_values_ties_and_alignment():
         assert p.data_ptr() % 64 == 0, name
         assert isinstance(p, nn.Parameter)
     assert module.head.weight is module.embed.weight
+    assert module.head.weight.data_ptr() == module.embed.weight.data_ptr()  # packed once
     float32 = [p for p in module.parameters() if p.dtype == torch.float32]
     assert len({p.untyped_storage().data_ptr() for p in float32}) == 1  # one buffer per dtype
     fp16 = module.fp16.weight.untyped_storage().data_ptr()
