@@ -18,10 +18,12 @@ def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 160])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 23, 24, 64, 160, 385])
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 9), (576, 960), (1536, 576)])
 def test_linear_matches_reference(rows: int, in_features: int, out_features: int) -> None:
-    # out_features 9 leaves a partial weight tile; 160 rows is the largest the kernel takes.
+    # Below 24 rows the kernel runs 8-wide weight tiles, from 24 on 3 x 4 register blocks over
+    # panels of at most 192 rows: 385 rows make three panels (129, 129, 127), the last not a
+    # multiple of 3; out_features 9 leaves a partial tile or block.
     # Weights scaled as initialised (outputs ~ N(0, 1)), so fp32 rounding stays within TOL.
     x = _randn(rows, in_features)
     weight = _randn(out_features, in_features, seed=1) * in_features**-0.5
@@ -31,13 +33,15 @@ def test_linear_matches_reference(rows: int, in_features: int, out_features: int
         torch.testing.assert_close(out, reference.linear(x, weight, b), **TOL)
 
 
-def test_linear_reads_strided_rows_and_falls_back() -> None:
-    wide = _randn(4, 2 * 64)
+@pytest.mark.parametrize("rows", [4, 30])  # weight tiles, register blocks
+def test_linear_reads_strided_rows_and_falls_back(rows: int) -> None:
+    wide = _randn(rows, 2 * 64)
     x = wide[:, :64]  # rows strided, elements contiguous
     weight = _randn(32, 64, seed=1) / 8
     torch.testing.assert_close(layer_ops.linear(x, weight), reference.linear(x, weight), **TOL)
-    many = _randn(layer_ops.SKINNY_MAX_ROWS + 1, 64)  # BLAS path
-    torch.testing.assert_close(layer_ops.linear(many, weight), reference.linear(many, weight))
+    odd = _randn(4, 60)  # in_features not a multiple of 8: torch's path
+    odd_weight = _randn(32, 60, seed=1) / 8
+    torch.testing.assert_close(layer_ops.linear(odd, odd_weight), reference.linear(odd, odd_weight))
 
 
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (5, 576), (40, 100)])

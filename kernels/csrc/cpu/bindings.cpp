@@ -118,7 +118,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
   p.rows = x.size(0);
   p.in_features = x.size(1);
   p.out_features = weight.size(0);
-  cpu::skinny_linear(p);
+  cpu::linear(p);
   return y;
 }
 

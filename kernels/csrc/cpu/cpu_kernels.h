@@ -41,8 +41,8 @@ struct LinearParams {
   int64_t out_features;
 };
 
-// y = x W^T + b for a few rows of x, reading W once; parallel over output features.
-void skinny_linear(const LinearParams& params);
+// y = x W^T + b; parallel over panels of rows and chunks of output features.
+void linear(const LinearParams& params);
 
 struct RmsNormParams {
   float* out;            // [num_tokens, hidden_size], contiguous
