@@ -21,7 +21,7 @@ def linear(
 ) -> Tensor:  # [num_tokens, out_features]
     """x W^T + b. On CPU in fp32 a C++ kernel takes every row count: it streams W once for a
     decode step's few rows, where BLAS sgemm would spend its time packing W, and is as fast as
-    sgemm on a prefill's thousands (bench figures in kernels/csrc/cpu/linear.cpp)."""
+    sgemm on a prefill's thousands (figures in kernels/csrc/cpu/linear.cpp)."""
     if (
         _cpu_fp32(x, weight)
         and x.dim() == 2

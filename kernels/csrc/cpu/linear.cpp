@@ -10,8 +10,9 @@
 // * More rows: arithmetic is the cost, and the 8-row tile loads 9 vectors for 8 FMAs, so the
 //   load ports, not the FMA units, set its pace. A 3 x 4 register block (3 rows of x against 4
 //   weight rows, 12 accumulators) loads 7 vectors for 12 FMAs instead. Rows are cut into panels
-//   that stay in L2 while a thread sweeps its chunk of W, so large products (prefill) work the
-//   same way.
+//   of at most 192, each swept over a chunk of W, so a prefill's thousands of rows run the same
+//   way: 100-115 GFLOP/s on two cores of this AMD machine from 64 rows up, where MKL's sgemm
+//   made 85-118 and the 8-row tile 85-90 (peak 182).
 //
 //   x  [M, K]   rows m .. m+2, 8 floats at a time       acc[r][c] += x[m+r][k..k+8) * W[n+c][k..k+8)
 //   W  [N, K]   rows n .. n+3
