@@ -33,6 +33,11 @@ def test_linear_matches_reference(rows: int, in_features: int, out_features: int
         torch.testing.assert_close(out, reference.linear(x, weight, b), **TOL)
 
 
+def test_linear_takes_no_rows() -> None:
+    out = layer_ops.linear(torch.empty(0, 64), _randn(8, 64), _randn(8, seed=1))
+    assert out.shape == (0, 8)
+
+
 @pytest.mark.parametrize("rows", [4, 30])  # weight tiles, register blocks
 def test_linear_reads_strided_rows_and_falls_back(rows: int) -> None:
     wide = _randn(rows, 2 * 64)

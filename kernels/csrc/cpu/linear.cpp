@@ -132,6 +132,7 @@ void linear(const LinearParams& params) {
   // Work is cut into (panel of rows, chunk of output features) pieces handed out one at a time,
   // so a thread that starts late (another process holds its core) leaves its share to the
   // others instead of holding up the whole layer.
+  if (params.rows == 0 || params.out_features == 0) return;  // e.g. a step with no logits to take
   const int64_t num_panels = (params.rows + kPanelRows - 1) / kPanelRows;
   const int64_t panel_rows = (params.rows + num_panels - 1) / num_panels;  // evened out
   const int64_t num_chunks = (params.out_features + kGrainCols - 1) / kGrainCols;
