@@ -14,20 +14,35 @@ def _cpu_fp32(*tensors: Tensor) -> bool:
     return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
 
 
+# On CPUs with 16-float (AVX-512) registers, torch's sgemm (MKL) packs W and outruns the C++
+# kernel from about this many rows on. `bench/linear.py` on two cores of a Xeon with AVX-512,
+# sgemm's time over the kernel's for SmolLM2's layer / lm_head shapes: 32 rows 1.07 / 0.94,
+# 48 rows 1.04 / 0.89 (a step's linears take the same time either way), 64 rows 0.83 / 0.90.
+WIDE_SGEMM = torch.backends.cpu.get_cpu_capability() == "AVX512"
+SGEMM_MIN_ROWS = 48
+
+
+def takes_kernel(x: Tensor) -> bool:
+    """Whether linear() runs the C++ kernel on rows ``x`` (fp32 on CPU), or torch's sgemm."""
+    return not (WIDE_SGEMM and x.shape[0] >= SGEMM_MIN_ROWS)
+
+
 def linear(
     x: Tensor,  # [num_tokens, in_features]
     weight: Tensor,  # [out_features, in_features]
     bias: Tensor | None = None,  # [out_features]
 ) -> Tensor:  # [num_tokens, out_features]
-    """x W^T + b. On CPU in fp32 a C++ kernel takes every row count: it streams W once for a
-    decode step's few rows, where BLAS sgemm would spend its time packing W, and is as fast as
-    sgemm on a prefill's thousands (figures in kernels/csrc/cpu/linear.cpp)."""
+    """x W^T + b. On CPU in fp32 a C++ kernel takes a decode step's few rows, streaming W once
+    where BLAS sgemm would spend its time packing W; it takes every row count on 8-float (AVX2)
+    machines, where it is as fast as sgemm on a prefill's thousands, and below SGEMM_MIN_ROWS on
+    AVX-512 ones (`python bench/linear.py` prints both side by side)."""
     if (
         _cpu_fp32(x, weight)
         and x.dim() == 2
         and x.shape[1] % 8 == 0
         and x.stride(1) == 1
         and weight.is_contiguous()
+        and takes_kernel(x)
     ):
         return cpu_extension().linear(x, weight, bias)
     return F.linear(x, weight, bias)

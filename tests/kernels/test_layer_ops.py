@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import layer_ops, reference
+from kernels.ops import cpu_extension
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -19,18 +20,24 @@ def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 23, 24, 64, 160, 385])
-@pytest.mark.parametrize(("in_features", "out_features"), [(64, 9), (576, 960), (1536, 576)])
+@pytest.mark.parametrize(
+    ("in_features", "out_features"), [(64, 9), (72, 13), (576, 960), (1536, 576)]
+)
 def test_linear_matches_reference(rows: int, in_features: int, out_features: int) -> None:
-    # Below 24 rows the kernel runs 8-wide weight tiles, from 24 on 3 x 4 register blocks over
-    # panels of at most 192 rows: 385 rows make three panels (129, 129, 127), the last not a
-    # multiple of 3; out_features 9 leaves a partial tile or block.
+    # Below 24 rows the kernel runs 8-wide weight tiles, from 24 on 3 x 4 (3 x 8 with AVX-512)
+    # register blocks over panels of at most 192 rows: 385 rows make three panels (129, 129,
+    # 127), the last not a multiple of 3; out_features 9 and 13 leave partial tiles and blocks.
+    # 72 features are not whole 16-float vectors: 8-float ones even on AVX-512 machines.
     # Weights scaled as initialised (outputs ~ N(0, 1)), so fp32 rounding stays within TOL.
     x = _randn(rows, in_features)
     weight = _randn(out_features, in_features, seed=1) * in_features**-0.5
     bias = _randn(out_features, seed=2)
     for b in (None, bias):
-        out = layer_ops.linear(x, weight, b)
-        torch.testing.assert_close(out, reference.linear(x, weight, b), **TOL)
+        expected = reference.linear(x, weight, b)
+        # The kernel itself at every row count, and layer_ops.linear, which hands rows from
+        # SGEMM_MIN_ROWS on to torch's sgemm on AVX-512 machines.
+        torch.testing.assert_close(cpu_extension().linear(x, weight, b), expected, **TOL)
+        torch.testing.assert_close(layer_ops.linear(x, weight, b), expected, **TOL)
 
 
 def test_linear_takes_no_rows() -> None:
@@ -43,7 +50,9 @@ def test_linear_reads_strided_rows_and_falls_back(rows: int) -> None:
     wide = _randn(rows, 2 * 64)
     x = wide[:, :64]  # rows strided, elements contiguous
     weight = _randn(32, 64, seed=1) / 8
-    torch.testing.assert_close(layer_ops.linear(x, weight), reference.linear(x, weight), **TOL)
+    expected = reference.linear(x, weight)
+    torch.testing.assert_close(cpu_extension().linear(x, weight, None), expected, **TOL)
+    torch.testing.assert_close(layer_ops.linear(x, weight), expected, **TOL)
     odd = _randn(4, 60)  # in_features not a multiple of 8: torch's path
     odd_weight = _randn(32, 60, seed=1) / 8
     torch.testing.assert_close(layer_ops.linear(odd, odd_weight), reference.linear(odd, odd_weight))

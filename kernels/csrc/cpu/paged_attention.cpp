@@ -42,9 +42,11 @@ namespace {
 // from L1 many times, few enough that the rows' accumulators stay in L1 too.
 constexpr int64_t kTileRows = 32;
 
-// Multiply-adds a thread takes at least (about 0.1 ms): smaller calls stay on one thread, where
-// a fork/join would cost more than it saves.
-constexpr int64_t kMinWorkPerThread = 1 << 20;
+// Multiply-adds a thread takes at least (about 20 us): smaller calls stay on one thread, where
+// a fork/join would cost more than it saves. At 1 << 20 a decode step of one sequence ran on one
+// thread up to about 1,800 positions: 2.26x the time of torch's two-thread SDPA at 1,024 (bench/
+// kernels.py); this bound makes it 1.10x.
+constexpr int64_t kMinWorkPerThread = 1 << 17;
 
 // Work items per thread below which decode splits sequences by kv head, to balance the load.
 constexpr int64_t kMinItemsPerThread = 4;

@@ -23,6 +23,7 @@
     defined(__linux__)
 #define PAGEDSERVE_CPU_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define PAGEDSERVE_CPU_CLONES_X86  // x86-64-v4 code can be built and picked at run time
 #else
 #define PAGEDSERVE_CPU_CLONES
 #endif
