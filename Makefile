@@ -46,6 +46,7 @@ bench: install
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
 		--json $(RES)/routing_chat_prefix.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
+	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
 
 # Full: hours on a 2-core CPU machine.
 bench-full: install
@@ -66,6 +67,7 @@ bench-full: install
 	$(PY) bench/routing.py --num-requests 32 --shared-prefix-len 512 \
 		--json $(RES)/full/routing_chat_prefix.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
+	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,17 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     print(line(list(headers)))
     for row in cells:
         print(line(row))
+
+
+def median_ms(fn: Callable[[], Any], min_run_time: float) -> float:
+    """Median over timed blocks after a warm-up; Timer synchronises CUDA around each block.
+    Timed on torch's threads (Timer's default would be one)."""
+    import torch
+    from torch.utils import benchmark
+
+    fn()
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 def machine() -> dict[str, Any]:

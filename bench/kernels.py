@@ -25,9 +25,9 @@ if __package__ in (None, ""):
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 from tqdm import tqdm
 
+from bench.common import median_ms
 from kernels import ops
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -91,13 +91,6 @@ def _inputs(
     return paged, contiguous
 
 
-def _median_ms(fn: Callable[[], torch.Tensor], min_run_time: float) -> float:
-    """Median over timed blocks after a warm-up; Timer synchronises CUDA around each block."""
-    fn()
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
 def run(
     batches: list[int],
     contexts: list[int],
@@ -110,8 +103,8 @@ def run(
     grid = [(b, c) for b in batches for c in contexts]
     for batch, context in tqdm(grid, desc=f"decode {device}", unit="shape", file=sys.stderr):
         paged, contiguous = _inputs(batch, context, shape, dtype, device)
-        paged_ms = _median_ms(paged, min_run_time)
-        contiguous_ms = _median_ms(contiguous, min_run_time)
+        paged_ms = median_ms(paged, min_run_time)
+        contiguous_ms = median_ms(contiguous, min_run_time)
         ratio = round(paged_ms / contiguous_ms, 3)
         results.append(Result(batch, context, round(paged_ms, 4), round(contiguous_ms, 4), ratio))
         del paged, contiguous
