@@ -4,6 +4,7 @@ scheduler talking gRPC over loopback), raw HTTP and the official `openai` client
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -14,6 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from pagedserve.cli import SERVE_GOMP_SPINCOUNT, executor_environ
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ExecutorConfig
@@ -260,3 +262,25 @@ def test_preemption_under_load_and_prefix_sharing(server, client):
     assert metric(server, "pagedserve_preemptions_total", 'mode="recompute"') > 0
     assert metric(server, "pagedserve_prefix_cache_hits_total", "") > before
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
+
+
+def _child_environ(parent_argv_has: bytes) -> dict[bytes, bytes]:
+    """The environment of the `pagedserve executor` whose parent's argv holds the given entry."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"executor" in argv and b"serve" in parent and parent_argv_has in parent:
+            return dict(entry.split(b"=", 1) for entry in environ if b"=" in entry)
+    raise AssertionError(f"no executor child of a serve with {parent_argv_has!r}")
+
+
+def test_serve_starts_its_executor_with_short_openmp_spins(server) -> None:
+    # The executor shares the machine with the scheduler: its idle OpenMP worker must not spin on.
+    env = _child_environ(server[0].rsplit(":", 1)[1].encode())
+    assert env[b"GOMP_SPINCOUNT"] == SERVE_GOMP_SPINCOUNT.encode()
+    assert executor_environ({"GOMP_SPINCOUNT": "5", "A": "1"}) == {"GOMP_SPINCOUNT": "5", "A": "1"}
