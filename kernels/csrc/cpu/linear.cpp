@@ -189,7 +189,12 @@ using ChunkFn = void (*)(const LinearParams&, int64_t, int64_t, int64_t, int64_t
 // 16-float vectors where the CPU has them and a row holds whole ones.
 ChunkFn pick_chunk(const LinearParams& p) {
 #ifdef PAGEDSERVE_CPU_CLONES_X86
-  static const bool has_avx512 = __builtin_cpu_supports("x86-64-v4");
+  // x86-64-v4's features one by one: not every GCC takes the level's name here.
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
+                                 __builtin_cpu_supports("avx512bw") &&
+                                 __builtin_cpu_supports("avx512cd") &&
+                                 __builtin_cpu_supports("avx512dq") &&
+                                 __builtin_cpu_supports("avx512vl");
   if (has_avx512 && p.in_features % kLanes<vfloat16> == 0) return chunk_wide;
 #endif
   return chunk_narrow;
