@@ -46,7 +46,9 @@ class Result:
     layer_ops_takes: str  # the path layer_ops.linear picks for this many rows
 
 
-def _measure(name: str, shapes: dict[str, tuple[int, int]], rows: int, min_run_time: float):
+def _measure(
+    name: str, shapes: dict[str, tuple[int, int]], rows: int, min_run_time: float
+) -> Result:
     gen = torch.Generator().manual_seed(rows)
     weights = [torch.randn(n, k, generator=gen) * k**-0.5 for k, n in shapes.values()]
     inputs = [torch.randn(rows, k, generator=gen) for k, _ in shapes.values()]
@@ -65,8 +67,7 @@ def _measure(name: str, shapes: dict[str, tuple[int, int]], rows: int, min_run_t
     kernel_ms = median_ms(run_kernel, min_run_time)
     sgemm_ms = median_ms(run_sgemm, min_run_time)
     flops = sum(2 * rows * k * n for k, n in shapes.values())
-    probe = torch.empty(rows, 8)  # only its row count matters to the choice
-    takes = "kernel" if layer_ops.takes_kernel(probe) else "sgemm"
+    takes = "kernel" if layer_ops.takes_kernel(rows) else "sgemm"
     return Result(
         name,
         rows,

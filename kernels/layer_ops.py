@@ -15,16 +15,17 @@ def _cpu_fp32(*tensors: Tensor) -> bool:
 
 
 # On CPUs with 16-float (AVX-512) registers, torch's sgemm (MKL) packs W and outruns the C++
-# kernel from about this many rows on. `bench/linear.py` on two cores of a Xeon with AVX-512,
-# sgemm's time over the kernel's for SmolLM2's layer / lm_head shapes: 32 rows 1.07 / 0.94,
-# 48 rows 1.04 / 0.89 (a step's linears take the same time either way), 64 rows 0.83 / 0.90.
+# kernel from about this many rows on. bench/results/linear_cpu.json, two cores of a Xeon with
+# AVX-512, sgemm's time over the kernel's for SmolLM2's layer / lm_head shapes: 32 rows
+# 1.05 / 0.87, 48 rows 1.02 / 0.95 (a step's linears take about the same time either way),
+# 64 rows 0.83 / 0.75.
 WIDE_SGEMM = torch.backends.cpu.get_cpu_capability() == "AVX512"
 SGEMM_MIN_ROWS = 48
 
 
-def takes_kernel(x: Tensor) -> bool:
-    """Whether linear() runs the C++ kernel on rows ``x`` (fp32 on CPU), or torch's sgemm."""
-    return not (WIDE_SGEMM and x.shape[0] >= SGEMM_MIN_ROWS)
+def takes_kernel(rows: int) -> bool:
+    """Whether linear() runs the C++ kernel on this many rows (fp32 on CPU), or torch's sgemm."""
+    return not (WIDE_SGEMM and rows >= SGEMM_MIN_ROWS)
 
 
 def linear(
@@ -42,7 +43,7 @@ def linear(
         and x.shape[1] % 8 == 0
         and x.stride(1) == 1
         and weight.is_contiguous()
-        and takes_kernel(x)
+        and takes_kernel(x.shape[0])
     ):
         return cpu_extension().linear(x, weight, bias)
     return F.linear(x, weight, bias)
