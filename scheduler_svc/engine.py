@@ -239,12 +239,20 @@ class LLMEngine:
             self.streams.restore(r.group, len(events))
         if state.pending_step is None or kv_lost:
             return
-        step = step_from_json(state.pending_step)
-        step.epoch = self.epoch
-        by_seq = {s.seq_id: r.group for r in restored for s in r.group.seqs}
+        pending = step_from_json(state.pending_step)
+        by_seq = {s.seq_id: (r.group, i, s) for r in restored for i, s in enumerate(r.group.seqs)}
+        seqs = [self._seq_step(*by_seq[seq_id]) for seq_id in pending.seq_ids]
+        step = ExecuteStep(
+            pending.step_id,
+            self.epoch,
+            seqs,
+            pending.blocks_to_swap_out,
+            pending.blocks_to_swap_in,
+            pending.blocks_to_copy,
+        )
         scheduled: dict[int, ScheduledGroup] = {}
-        for seq_step in step.seqs:
-            group = by_seq[seq_step.seq_id]
+        for seq_step in seqs:
+            group = by_seq[seq_step.seq_id][0]
             entry = scheduled.setdefault(id(group), ScheduledGroup(group, False))
             entry.is_prefill |= len(seq_step.new_token_ids) > 1
         out = SchedulerOutput(scheduled=list(scheduled.values()))
@@ -285,30 +293,12 @@ class LLMEngine:
             stats.preemptions[mode.value] = stats.preemptions.get(mode.value, 0) + 1
 
     def _build_step(self, out: SchedulerOutput) -> ExecuteStep:
-        bm = self.scheduler.block_manager
-        seqs = []
-        for scheduled in out.scheduled:
-            group = scheduled.group
-            params = group.sampling_params
-            k = num_samples(group)
-            history = params.has_penalties
-            for index, seq in enumerate(group.seqs):
-                if seq.status != SequenceStatus.RUNNING:
-                    continue
-                tokens = seq.get_token_ids()
-                seqs.append(
-                    SeqStep(
-                        seq_id=seq.seq_id,
-                        new_token_ids=tokens[seq.num_computed_tokens :],
-                        num_computed_tokens=seq.num_computed_tokens,
-                        block_table=list(bm.get_block_table(seq)),
-                        sampling_params=params,
-                        num_samples=k,
-                        sample_index=index,
-                        prompt_token_ids=seq.prompt_token_ids if history else [],
-                        output_token_ids=seq.output_token_ids if history else [],
-                    )
-                )
+        seqs = [
+            self._seq_step(scheduled.group, index, seq)
+            for scheduled in out.scheduled
+            for index, seq in enumerate(scheduled.group.seqs)
+            if seq.status == SequenceStatus.RUNNING
+        ]
         return ExecuteStep(
             step_id=next(self._step_ids),
             epoch=self.journal.epoch if self.journal is not None else self.epoch,
@@ -316,4 +306,21 @@ class LLMEngine:
             blocks_to_swap_out=out.blocks_to_swap_out,
             blocks_to_swap_in=out.blocks_to_swap_in,
             blocks_to_copy=out.blocks_to_copy,
+        )
+
+    def _seq_step(self, group: SequenceGroup, index: int, seq: Sequence) -> SeqStep:
+        """What the executor needs of one running sequence, from the scheduler's state alone:
+        recovery rebuilds the pending step with it, equal to the step that was sent."""
+        params = group.sampling_params
+        history = params.has_penalties
+        return SeqStep(
+            seq_id=seq.seq_id,
+            new_token_ids=seq.get_token_ids()[seq.num_computed_tokens :],
+            num_computed_tokens=seq.num_computed_tokens,
+            block_table=list(self.scheduler.block_manager.get_block_table(seq)),
+            sampling_params=params,
+            num_samples=num_samples(group),
+            sample_index=index,
+            prompt_token_ids=seq.prompt_token_ids if history else [],
+            output_token_ids=list(seq.output_token_ids) if history else [],  # a copy: grows
         )

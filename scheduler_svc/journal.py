@@ -3,12 +3,13 @@ restart, so a scheduler killed at any moment finishes every request it had accep
 
 One commit per step, before the executor call:
 
-    schedule(N) ─► commit: step N's decisions, step N itself (pending), and the tokens,
-                   finished groups and stream events of step N-1 ─► Execute(N)
+    schedule(N) ─► commit: step N's decisions, step N by reference (pending), and the
+                   tokens, finished groups and stream events of step N-1 ─► Execute(N)
 
 The results of step N-1 can wait for step N's commit because step N-1 is recorded as
-pending until then: a restart sends the pending step again, and the executor, which
-applies a step id once, answers with the stored result. When the engine goes idle it
+pending until then: a restart rebuilds the pending step from the groups of the same commit
+and sends it again, and the executor, which applies a step id once, answers with the
+stored result. When the engine goes idle it
 flushes the last results with the pending step cleared.
 
 A group that only grew since its last write (the common decode step) is written as a

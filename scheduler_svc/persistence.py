@@ -1,5 +1,5 @@
 """JSON forms of what the engine persists: sequence groups with their block tables, and
-the step in flight. Versioned; never pickle.
+the step in flight by reference. Versioned; never pickle.
 
 A group's stored value is JSON lines: a snapshot, then one delta per step that only
 appended to it (new tokens, text and blocks). Rewriting every running group whole at
@@ -13,10 +13,11 @@ import json
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteStep, SeqStep
+from pagedserve.step import BlockPairs, ExecuteStep
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 
 SCHEMA_VERSION = 1
+STEP_VERSION = 2  # 1 wrote each sequence of the step whole
 
 
 @dataclasses.dataclass(slots=True)
@@ -30,7 +31,6 @@ class RestoredGroup:
 # group and each sequence of every step's commit, was most of the scheduler's JSON time.
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(Sequence))
-_SEQ_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(SeqStep) if f.name != "sampling_params")
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
@@ -182,38 +182,41 @@ def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
             restored.block_tables[seq_id] = (table + blocks, slots)
 
 
+@dataclasses.dataclass(slots=True)
+class PendingStep:
+    """The step in flight as the journal keeps it: its sequences by id, in the order sent,
+    and its block moves. Each sequence's tokens, table and parameters are in the groups of
+    the same commit, from which the engine rebuilds the step it sent (see LLMEngine.recover).
+    Written whole, the step was most of a commit's bytes and a millisecond of JSON a step."""
+
+    step_id: int
+    seq_ids: list[int]
+    blocks_to_swap_out: BlockPairs
+    blocks_to_swap_in: BlockPairs
+    blocks_to_copy: BlockPairs
+
+
 def step_to_json(step: ExecuteStep) -> str:
-    params: dict[int, dict[str, Any]] = {}  # a group's sequences share one SamplingParams
-    seqs = []
-    for seq in step.seqs:
-        data = {name: getattr(seq, name) for name in _SEQ_STEP_FIELDS}
-        key = id(seq.sampling_params)
-        if key not in params:
-            params[key] = params_to_dict(seq.sampling_params)
-        data["sampling_params"] = params[key]
-        seqs.append(data)
     body = {
         "step_id": step.step_id,
-        "epoch": step.epoch,
-        "seqs": seqs,
+        "seq_ids": [seq.seq_id for seq in step.seqs],
         "blocks_to_swap_out": step.blocks_to_swap_out,
         "blocks_to_swap_in": step.blocks_to_swap_in,
         "blocks_to_copy": step.blocks_to_copy,
     }
-    return json.dumps({"version": SCHEMA_VERSION, "step": body})
+    return json.dumps({"version": STEP_VERSION, "step": body})
 
 
-def step_from_json(text: str) -> ExecuteStep:
+def step_from_json(text: str) -> PendingStep:
+    """Read a pending step; version 1, which held every sequence whole, gives its ids."""
     data = json.loads(text)
-    if data.get("version") != SCHEMA_VERSION:
-        raise ValueError(f"step state version {data.get('version')} is not {SCHEMA_VERSION}")
+    version = data.get("version")
+    if version not in (1, STEP_VERSION):
+        raise ValueError(f"step state version {version} is not {STEP_VERSION}")
     body = data["step"]
-    seqs = [
-        SeqStep(**(s | {"sampling_params": params_from_dict(s["sampling_params"])}))
-        for s in body["seqs"]
-    ]
+    seq_ids = body["seq_ids"] if version == STEP_VERSION else [s["seq_id"] for s in body["seqs"]]
     pairs = {
         k: [tuple(p) for p in body[k]]
         for k in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
     }
-    return ExecuteStep(body["step_id"], body["epoch"], seqs, **pairs)
+    return PendingStep(body["step_id"], seq_ids, **pairs)

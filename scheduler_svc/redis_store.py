@@ -6,7 +6,7 @@ Key layout, every key under `{namespace}:` so deployments can share one Redis:
     last_commit           hash     {epoch, commit_id} of the last applied commit
     meta                  hash     engine facts (step_id, next_seq_id, ...)
     groups                hash     request_id -> group JSON lines (a snapshot, then deltas)
-    pending_step          string   step JSON sent to the executor, result not yet applied
+    pending_step          string   the step sent (persistence.PendingStep), its result not applied
     queue                 list     submitted, not yet consumed request ids, oldest first
     request:{request_id}  string   the submitted record
     events:{request_id}   list     the request's output stream; event i is at index i - 1

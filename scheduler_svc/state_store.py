@@ -47,7 +47,7 @@ class StepCommit:
     upsert_groups: dict[str, str] = field(default_factory=dict)  # request_id -> group JSON
     append_groups: dict[str, str] = field(default_factory=dict)  # request_id -> a JSON line
     delete_groups: list[str] = field(default_factory=list)  # finished request ids
-    pending_step: str | None = None  # step JSON sent to the executor, result not yet applied
+    pending_step: str | None = None  # persistence.PendingStep, its result not yet applied
     clear_pending_step: bool = False
     events: list[tuple[str, str]] = field(default_factory=list)  # (request_id, event JSON)
     new_requests_consumed: list[str] = field(default_factory=list)  # taken from the queue

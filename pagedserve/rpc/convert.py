@@ -65,59 +65,63 @@ def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
     )
 
 
-def seq_step_to_pb(s: SeqStep, params: pb.SamplingParameters) -> pb.SequenceStep:
-    return pb.SequenceStep(
-        seq_id=s.seq_id,
-        new_token_ids=s.new_token_ids,
-        num_computed_tokens=s.num_computed_tokens,
-        block_table=s.block_table,
-        sampling_params=params,
-        num_samples=s.num_samples,
-        sample_index=s.sample_index,
-        prompt_token_ids=s.prompt_token_ids,
-        output_token_ids=s.output_token_ids,
-    )
-
-
-def seq_step_from_pb(m: pb.SequenceStep) -> SeqStep:
-    return SeqStep(
-        seq_id=m.seq_id,
-        new_token_ids=list(m.new_token_ids),
-        num_computed_tokens=m.num_computed_tokens,
-        block_table=list(m.block_table),
-        sampling_params=params_from_pb(m.sampling_params),
-        num_samples=m.num_samples,
-        sample_index=m.sample_index,
-        prompt_token_ids=list(m.prompt_token_ids),
-        output_token_ids=list(m.output_token_ids),
-    )
-
-
 def step_to_pb(step: ExecuteStep) -> pb.ExecuteRequest:
-    """The sequences of one group share their SamplingParams: convert each once."""
-    params: dict[int, pb.SamplingParameters] = {}
-    seqs = []
-    for s in step.seqs:
-        key = id(s.sampling_params)
-        if key not in params:
-            params[key] = params_to_pb(s.sampling_params)
-        seqs.append(seq_step_to_pb(s, params[key]))
-    return pb.ExecuteRequest(
+    """Sequences are added in place (a message passed in is copied) and the sequences of
+    one group share their SamplingParams, converted once."""
+    request = pb.ExecuteRequest(
         step_id=step.step_id,
         epoch=step.epoch,
-        seqs=seqs,
         blocks_to_swap_out=pairs_to_pb(step.blocks_to_swap_out),
         blocks_to_swap_in=pairs_to_pb(step.blocks_to_swap_in),
         blocks_to_copy=pairs_to_pb(step.blocks_to_copy),
     )
+    params: dict[int, pb.SamplingParameters] = {}
+    add = request.seqs.add
+    for s in step.seqs:
+        key = id(s.sampling_params)
+        if key not in params:
+            params[key] = params_to_pb(s.sampling_params)
+        add(
+            seq_id=s.seq_id,
+            new_token_ids=s.new_token_ids,
+            num_computed_tokens=s.num_computed_tokens,
+            block_table=s.block_table,
+            sampling_params=params[key],
+            num_samples=s.num_samples,
+            sample_index=s.sample_index,
+            prompt_token_ids=s.prompt_token_ids,
+            output_token_ids=s.output_token_ids,
+        )
+    return request
 
 
 def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
-    """Raises ValueError when a sequence's sampling parameters are invalid."""
+    """Equal parameters are read and validated once per step, keyed by their bytes.
+
+    Raises ValueError when a sequence's sampling parameters are invalid."""
+    params: dict[bytes, SamplingParams] = {}
+    seqs = []
+    for s in m.seqs:
+        key = s.sampling_params.SerializeToString(deterministic=True)
+        if key not in params:
+            params[key] = params_from_pb(s.sampling_params)
+        seqs.append(
+            SeqStep(
+                seq_id=s.seq_id,
+                new_token_ids=list(s.new_token_ids),
+                num_computed_tokens=s.num_computed_tokens,
+                block_table=list(s.block_table),
+                sampling_params=params[key],
+                num_samples=s.num_samples,
+                sample_index=s.sample_index,
+                prompt_token_ids=list(s.prompt_token_ids),
+                output_token_ids=list(s.output_token_ids),
+            )
+        )
     return ExecuteStep(
         step_id=m.step_id,
         epoch=m.epoch,
-        seqs=[seq_step_from_pb(s) for s in m.seqs],
+        seqs=seqs,
         blocks_to_swap_out=pairs_from_pb(m.blocks_to_swap_out),
         blocks_to_swap_in=pairs_from_pb(m.blocks_to_swap_in),
         blocks_to_copy=pairs_from_pb(m.blocks_to_copy),

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.engine import LLMEngine
+from pagedserve.step import ExecuteStep, StepResult
+from scheduler_svc.engine import LLMEngine, StepExecutor
 from scheduler_svc.journal import COMPACT_AFTER
 from scheduler_svc.persistence import group_from_json
 from scheduler_svc.state_store import InMemoryStateStore, StateStore, StepCommit
@@ -104,3 +105,56 @@ def test_a_new_leader_resumes_from_deltas(
     assert run(store, new=True, steps=kill_after) == {}
     assert any("\n" in text for text in store.load().groups.values())
     assert run(store, new=False) == reference
+
+
+class _Sent:
+    """Forwards steps to the executor and keeps the last one sent."""
+
+    def __init__(self, executor: StepExecutor) -> None:
+        self.executor = executor
+        self.last: ExecuteStep | None = None
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        self.last = step
+        return self.executor.execute(step)
+
+
+class _Replayed(Exception):
+    def __init__(self, step: ExecuteStep) -> None:
+        super().__init__(step.step_id)
+        self.step = step
+
+
+class _Capture:
+    """Stands in for the executor of a restarted engine: stops it at the replay."""
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        raise _Replayed(step)
+
+
+def test_recovery_rebuilds_the_pending_step_equal_to_the_step_sent(
+    journaled_engine: Callable[[StateStore], LLMEngine],
+) -> None:
+    """The journal keeps the step in flight by sequence ids; after every step a restarted
+    engine rebuilds it from the stored groups, field for field what the executor got (so
+    the executor recognises the replay), for every kind of request."""
+    store = InMemoryStateStore()
+    engine = journaled_engine(store)
+    engine.recover()
+    sent = _Sent(engine.executor)
+    engine.executor = sent
+    penalties = SamplingParams(
+        temperature=0.8, seed=4, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5
+    )
+    for i, (rid, params) in enumerate((REQUESTS | {"penalties": penalties}).items()):
+        engine.add_request(rid, [100 + i, 200, 300, 400, 500], params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        restarted = journaled_engine(store)
+        restarted.executor = _Capture()
+        with pytest.raises(_Replayed) as replay:
+            restarted.recover(epoch=store.current_epoch())  # reads; takes no new epoch
+        assert replay.value.step == sent.last, f"step {steps}"
+    assert steps > COMPACT_AFTER

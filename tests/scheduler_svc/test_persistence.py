@@ -9,6 +9,7 @@ import pytest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep
 from scheduler_svc.persistence import (
+    PendingStep,
     group_delta,
     group_from_json,
     group_to_json,
@@ -22,9 +23,9 @@ from scheduler_svc.streams import RequestDelta, SeqDelta
 PARAMS = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n\n",), stop_token_ids=(2, 7))
 
 
-def test_a_step_reads_back_equal() -> None:
+def _step() -> ExecuteStep:
     greedy = SamplingParams(temperature=0.0, max_tokens=4, seed=3)
-    step = ExecuteStep(
+    return ExecuteStep(
         step_id=12,
         epoch=3,
         seqs=[
@@ -36,7 +37,24 @@ def test_a_step_reads_back_equal() -> None:
         blocks_to_swap_in=[(1, 7)],
         blocks_to_copy=[(2, 8), (3, 9)],
     )
-    assert step_from_json(step_to_json(step)) == step
+
+
+def test_a_pending_step_keeps_its_sequence_ids_in_order_and_its_block_moves() -> None:
+    assert step_from_json(step_to_json(_step())) == PendingStep(
+        12, [1, 2, 3], [(4, 0)], [(1, 7)], [(2, 8), (3, 9)]
+    )
+
+
+def test_a_version_1_pending_step_still_reads() -> None:
+    """Version 1 wrote each sequence whole; a scheduler upgraded mid-flight reads its ids."""
+    step = _step()
+    seqs = [
+        {"seq_id": s.seq_id, "new_token_ids": s.new_token_ids, "sampling_params": {}}
+        for s in step.seqs
+    ]
+    pairs = {"blocks_to_swap_out": [[4, 0]], "blocks_to_swap_in": [[1, 7]], "blocks_to_copy": []}
+    text = json.dumps({"version": 1, "step": {"step_id": 12, "epoch": 3, "seqs": seqs} | pairs})
+    assert step_from_json(text) == PendingStep(12, [1, 2, 3], [(4, 0)], [(1, 7)], [])
 
 
 def test_a_group_reads_back_equal_with_its_block_tables() -> None:
