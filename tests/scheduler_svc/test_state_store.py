@@ -349,6 +349,62 @@ def test_redis_second_store_sees_the_first_ones_state(namespace: str) -> None:
 
 
 @pytest.mark.redis
+def test_redis_group_written_by_an_older_version_still_reads_and_grows(namespace: str) -> None:
+    """Older versions appended deltas to the hash value itself; after an upgrade such a
+    group reads whole, takes deltas, and a snapshot or a delete clears both places."""
+    store, client = _redis_store(namespace), _redis_client()
+    client.hset(f"{namespace}:groups", mapping={"old": '{"v": 0}\n{"v": 1}', "gone": "{}"})
+    epoch = store.begin_epoch()
+    assert store.commit(StepCommit(epoch, 1, append_groups={"old": '{"v": 2}'}))
+    assert store.load().groups["old"] == '{"v": 0}\n{"v": 1}\n{"v": 2}'
+    assert store.commit(StepCommit(epoch, 2, upsert_groups={"old": '{"v": 3}'}))
+    assert store.commit(StepCommit(epoch, 3, append_groups={"old": '{"v": 4}'}))
+    assert store.commit(StepCommit(epoch, 4, delete_groups=["gone"]))
+    assert store.load().groups == {"old": '{"v": 3}\n{"v": 4}'}
+    assert store.commit(StepCommit(epoch, 5, delete_groups=["old"]))
+    assert store.load().groups == {}
+    assert not list(client.scan_iter(match=f"{namespace}:deltas:*"))
+
+
+@pytest.mark.redis
+def test_redis_load_falls_between_two_commits(namespace: str) -> None:
+    """Snapshots and deltas are separate keys: a load racing a writer still sees, for every
+    commit it counts, that commit's delta and no later one."""
+    store = _redis_store(namespace)
+    epoch = store.begin_epoch()
+    assert store.commit(StepCommit(epoch, 1, upsert_groups={"g": "{}"}))
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(2, 200):
+            store.commit(StepCommit(epoch, i, append_groups={"g": "{}"}))
+            time.sleep(0.001)  # room for loads to finish between commits, as well as to race
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    loads = 0
+    while not done.is_set() or loads == 0:
+        state = store.load()
+        assert state.groups["g"].count("\n") == state.last_commit_id - 1
+        loads += 1
+    thread.join()
+    assert loads > 1
+
+
+@pytest.mark.redis
+def test_redis_drop_lane_deletes_its_keys(namespace: str) -> None:
+    root = _redis_store(namespace)
+    lane = root.lane("x")
+    epoch = root.begin_epoch()
+    assert lane.commit(StepCommit(epoch, 1, upsert_groups={"g": "{}"}, pending_step="{}"))
+    assert lane.commit(StepCommit(epoch, 2, append_groups={"g": "{}"}))
+    root.drop_lane("x")
+    assert root.lane_names() == []
+    assert not list(_redis_client().scan_iter(match=f"{namespace}:lane:x:*"))
+
+
+@pytest.mark.redis
 def test_redis_finished_request_keys_expire(namespace: str) -> None:
     store = _redis_store(namespace)
     store.submit_request("r", "{}")
