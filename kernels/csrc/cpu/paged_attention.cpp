@@ -44,8 +44,10 @@ constexpr int64_t kTileRows = 32;
 
 // Multiply-adds a thread takes at least (about 20 us): smaller calls stay on one thread, where
 // a fork/join would cost more than it saves. At 1 << 20 a decode step of one sequence ran on one
-// thread up to about 1,800 positions: 2.26x the time of torch's two-thread SDPA at 1,024 (bench/
-// kernels.py); this bound makes it 1.10x.
+// thread up to about 1,800 positions. `bench/kernels.py --batch 1 --context 512 1024 2048`, two
+// threads, alternating the two bounds twice: 0.075-0.076 / 0.123-0.153 ms at 512 / 1,024
+// positions with 1 << 20, 0.045-0.050 / 0.086-0.087 ms with 1 << 17 (1.6-1.85x torch's SDPA;
+// its three kv heads still split unevenly over two threads); at 2,048 both fork.
 constexpr int64_t kMinWorkPerThread = 1 << 17;
 
 // Work items per thread below which decode splits sequences by kv head, to balance the load.
