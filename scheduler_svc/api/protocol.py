@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
 
 
@@ -164,8 +164,8 @@ def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> Par
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
         )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except InvalidSamplingParam as e:
+        raise APIError(400, str(e), param=e.param) from None
     request_id = _get(data, "request_id", (str,))
     return ParsedRequest(
         model,

@@ -179,6 +179,13 @@ BAD_REQUESTS = [
     ({"model": "M", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": "M", "prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"model": "M", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    # Past what the executor's wire format holds: these once ended the engine loop.
+    ({"model": "M", "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ({"model": "M", "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+    ({"model": "M", "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+    ({"model": "M", "prompt": "x", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
+    ({"model": "M", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": "M", "prompt": "x", "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
     ({"model": "M", "prompt": [1, 2, 99999999]}, 400, "prompt"),
     ({"model": "M", "prompt": "x", "stream": True, "best_of": 2}, 400, "stream"),
     ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
