@@ -9,8 +9,9 @@ every step cost O(tokens) per step, the largest part of the scheduler's work bet
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
+
+import orjson
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockPairs, ExecuteStep
@@ -61,7 +62,7 @@ def _seq_from_dict(data: dict[str, Any]) -> Sequence:
 def group_to_json(
     group: SequenceGroup, queue: str, block_tables: dict[int, tuple[list[int], int]]
 ) -> str:
-    return json.dumps(
+    return orjson.dumps(
         {
             "version": SCHEMA_VERSION,
             "request_id": group.request_id,
@@ -72,13 +73,13 @@ def group_to_json(
             "seqs": [_seq_to_dict(seq) for seq in group.seqs],
             "block_tables": {str(k): list(v) for k, v in block_tables.items()},
         }
-    )
+    ).decode()
 
 
 def group_from_json(text: str) -> RestoredGroup:
     """Read a snapshot and apply the deltas that follow it."""
     snapshot, *deltas = text.split("\n")  # JSON escapes newlines inside strings
-    data = json.loads(snapshot)
+    data = orjson.loads(snapshot)
     if data.get("version") != SCHEMA_VERSION:
         raise ValueError(f"group state version {data.get('version')} is not {SCHEMA_VERSION}")
     group = SequenceGroup(
@@ -91,7 +92,7 @@ def group_from_json(text: str) -> RestoredGroup:
     tables = {int(k): (v[0], v[1]) for k, v in data["block_tables"].items()}
     restored = RestoredGroup(group, data["queue"], tables)
     for delta in deltas:
-        _apply_delta(restored, json.loads(delta))
+        _apply_delta(restored, orjson.loads(delta))
     return restored
 
 
@@ -156,10 +157,9 @@ def group_delta(
                 num_slots,
             ]
         )
-    return json.dumps(
-        {"queue": queue, "num_preemptions": group.num_preemptions, "seqs": seqs},
-        ensure_ascii=False,
-    )
+    return orjson.dumps(
+        {"queue": queue, "num_preemptions": group.num_preemptions, "seqs": seqs}
+    ).decode()
 
 
 def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
@@ -204,12 +204,12 @@ def step_to_json(step: ExecuteStep) -> str:
         "blocks_to_swap_in": step.blocks_to_swap_in,
         "blocks_to_copy": step.blocks_to_copy,
     }
-    return json.dumps({"version": STEP_VERSION, "step": body})
+    return orjson.dumps({"version": STEP_VERSION, "step": body}).decode()
 
 
 def step_from_json(text: str) -> PendingStep:
     """Read a pending step; version 1, which held every sequence whole, gives its ids."""
-    data = json.loads(text)
+    data = orjson.loads(text)
     version = data.get("version")
     if version not in (1, STEP_VERSION):
         raise ValueError(f"step state version {version} is not {STEP_VERSION}")

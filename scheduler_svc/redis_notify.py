@@ -13,10 +13,10 @@ it may have missed events, and reads the list.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 
+import orjson
 import redis
 import structlog
 
@@ -102,6 +102,6 @@ class EventNotifier:
             self._subscribed.set()
             self._watchers.push_missed()
         elif message["type"] == "message":
-            data = json.loads(message["data"])
+            data = orjson.loads(message["data"])
             pushed = zip(data["events"], data["index"], strict=True)
             self._watchers.push([(rid, index, text) for (rid, text), index in pushed])

@@ -38,10 +38,10 @@ Every key a script touches is passed in KEYS, as Redis asks of scripts.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from typing import NoReturn
 
+import orjson
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
@@ -288,9 +288,8 @@ class RedisStateStore:
         for rid in touched:
             keys += [self._key("events", rid), self._key("request", rid)]
         keys += [self._lane_key("deltas", rid) for rid in grouped]
-        # ensure_ascii=False hands cjson raw UTF-8 rather than \u escapes to re-encode.
-        args = [json.dumps(payload, ensure_ascii=False), self._finished_ttl_ms]
-        args += [self._notifier.channel, json.dumps(commit.events, ensure_ascii=False)]
+        args = [orjson.dumps(payload), self._finished_ttl_ms]
+        args += [self._notifier.channel, orjson.dumps(commit.events)]
         try:
             return bool(self._commit(keys=keys, args=args))
         except ResponseError as err:

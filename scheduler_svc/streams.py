@@ -4,8 +4,9 @@ client (or a restarted scheduler) can resume right after the last event it saw."
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
+
+import orjson
 
 from scheduler_svc.sequence import Sequence, SequenceGroup
 
@@ -49,11 +50,11 @@ class RequestDelta:
             data["top_logprobs"] = [list(top.items()) for top in out.top_logprobs]
             outputs.append(data)
         data = {name: getattr(self, name) for name in _REQUEST_DELTA_FIELDS}
-        return json.dumps(data | {"outputs": outputs})
+        return orjson.dumps(data | {"outputs": outputs}).decode()
 
     @classmethod
     def from_json(cls, text: str) -> RequestDelta:
-        data = json.loads(text)
+        data = orjson.loads(text)
         outputs = []
         for out in data.pop("outputs"):
             out["top_logprobs"] = [dict(map(tuple, top)) for top in out["top_logprobs"]]
