@@ -89,13 +89,12 @@ def _last_event(value: str | None) -> tuple[int, int] | None:
     return int(event), int(output)
 
 
-DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client left
-
-
 async def _collect_unless_disconnected(
     request: Request, deltas: AsyncIterator[RequestDelta], n: int
 ) -> list[Choice]:
-    """Accumulate every delta; a client that goes away aborts the request."""
+    """Accumulate every delta; a client that goes away aborts the request. The disconnect
+    is awaited rather than polled: a poll every half second per request was a fifth of the
+    event loop's busy samples on sharegpt-100 (py-spy)."""
     choices = [Choice() for _ in range(n)]
 
     async def collect() -> None:
@@ -103,16 +102,20 @@ async def _collect_unless_disconnected(
             for out in delta.outputs:
                 _accumulate(choices[out.index], out)
 
-    task = asyncio.create_task(collect())
+    async def disconnect() -> None:  # the body is read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collector, watcher = asyncio.create_task(collect()), asyncio.create_task(disconnect())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-        await task
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not collector.done():
+            collector.cancel()
+        await collector
     finally:
-        if not task.done():
-            task.cancel()
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
         await deltas.aclose()
     return choices
 

@@ -216,14 +216,19 @@ def test_malformed_oversized_unauthenticated_and_unknown(server):
     assert httpx.get(f"{server[0]}/v2/nothing", headers=AUTH).json()["error"]["message"]
 
 
-def test_a_client_that_disconnects_frees_its_blocks(server):
+def running(server) -> bool:
+    return metric(server, "pagedserve_num_requests", 'state="running"') > 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_blocks(server, stream):
     body = {
         "model": model_of(server),
         "prompt": "Tell a very long story",
         "max_tokens": 900,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
+        "stream": stream,
     }
     host, port = server[0].removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
@@ -233,13 +238,17 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
         + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
         + raw
     )
-    received = b""
-    while b"data:" not in received:  # the request is running
-        received += sock.recv(65536)
+    received, deadline = b"", time.monotonic() + 30
+    while not (b"data:" in received if stream else running(server)):  # until it runs
+        assert time.monotonic() < deadline, "the request never started"
+        if stream:
+            received += sock.recv(65536)
+        else:
+            time.sleep(0.05)
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') > 0
     sock.close()
     deadline = time.monotonic() + 3  # generating all 900 tokens would take far longer
-    while metric(server, "pagedserve_num_requests", 'state="running"') > 0:
+    while running(server):
         assert time.monotonic() < deadline, "the disconnected request still runs"
         time.sleep(0.1)
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
