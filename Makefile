@@ -54,7 +54,8 @@ bench-full: install
 		--json $(RES)/full/memory_waste_sharegpt.json
 	$(PY) bench/memory_waste.py --preset alpaca --num-requests 1000 --block-size 16 \
 		--json $(RES)/full/memory_waste_alpaca.json
-	$(PY) bench/throughput.py --preset sharegpt --num-requests 100 --hf-requests 32 $(VLLM) \
+	$(PY) bench/throughput.py --preset sharegpt --num-requests 100 --hf-requests 32 --rounds 2 \
+		$(VLLM) \
 		--json $(RES)/full/throughput_sharegpt.json
 	$(PY) bench/throughput.py --preset alpaca --num-requests 200 --hf-requests 64 $(VLLM) \
 		--json $(RES)/full/throughput_alpaca.json

