@@ -20,11 +20,6 @@ class InvalidSamplingParam(ValueError):
         self.param = param
 
 
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidSamplingParam(param, message)
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -52,52 +47,38 @@ class SamplingParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        n = self.n
-        _require(1 <= n <= UINT32_MAX, "n", f"must be in [1, {UINT32_MAX}], got {n}")
-        best_of = self.best_of
-        _require(
-            best_of is None or n <= best_of <= UINT32_MAX,
-            "best_of",
-            f"must be in [n ({n}), {UINT32_MAX}], got {best_of}",
-        )
-        t = self.temperature
-        _require(math.isfinite(t) and t >= 0, "temperature", f"must be finite and >= 0, got {t}")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        k = self.top_k
-        _require(
-            k == -1 or 1 <= k <= INT32_MAX,
-            "top_k",
-            f"must be -1 (off) or in [1, {INT32_MAX}], got {k}",
-        )
-        _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        # Each message is formatted only on failure: this runs for every request.
+        bad = InvalidSamplingParam
+        n, best_of, t, k = self.n, self.best_of, self.temperature, self.top_k
+        if not 1 <= n <= UINT32_MAX:
+            raise bad("n", f"must be in [1, {UINT32_MAX}], got {n}")
+        if best_of is not None and not n <= best_of <= UINT32_MAX:
+            raise bad("best_of", f"must be in [n ({n}), {UINT32_MAX}], got {best_of}")
+        if not (math.isfinite(t) and t >= 0):
+            raise bad("temperature", f"must be finite and >= 0, got {t}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (k == -1 or 1 <= k <= INT32_MAX):
+            raise bad("top_k", f"must be -1 (off) or in [1, {INT32_MAX}], got {k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         r = self.repetition_penalty
-        _require(
-            math.isfinite(r) and r > 0, "repetition_penalty", f"must be finite and > 0, got {r}"
-        )
+        if not (math.isfinite(r) and r > 0):
+            raise bad("repetition_penalty", f"must be finite and > 0, got {r}")
         for name in ("presence_penalty", "frequency_penalty", "length_penalty"):
-            value = getattr(self, name)
-            _require(math.isfinite(value), name, f"must be a finite number, got {value}")
-        m = self.max_tokens
-        _require(1 <= m <= UINT32_MAX, "max_tokens", f"must be in [1, {UINT32_MAX}], got {m}")
-        lp = self.logprobs
-        _require(
-            lp is None or 0 <= lp <= UINT32_MAX,
-            "logprobs",
-            f"must be in [0, {UINT32_MAX}], got {lp}",
-        )
-        ids = self.stop_token_ids
-        _require(
-            all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids),
-            "stop_token_ids",
-            f"must be token ids (integers >= 0), got {list(ids)}",
-        )
-        seed = self.seed
-        _require(
-            seed is None or INT64_MIN <= seed <= INT64_MAX,
-            "seed",
-            f"must be a signed 64-bit integer, got {seed}",
-        )
-        _require(not self.use_beam_search or t == 0, "use_beam_search", "requires temperature 0")
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
+        if not 1 <= self.max_tokens <= UINT32_MAX:
+            raise bad("max_tokens", f"must be in [1, {UINT32_MAX}], got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= UINT32_MAX:
+            raise bad("logprobs", f"must be in [0, {UINT32_MAX}], got {self.logprobs}")
+        if not all(_is_int(i) and 0 <= i <= INT32_MAX for i in self.stop_token_ids):
+            ids = list(self.stop_token_ids)
+            raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {ids}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise bad("seed", f"must be a signed 64-bit integer, got {self.seed}")
+        if self.use_beam_search and t != 0:
+            raise bad("use_beam_search", "requires temperature 0")
 
     @property
     def has_penalties(self) -> bool:

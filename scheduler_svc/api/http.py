@@ -112,10 +112,9 @@ async def _collect_unless_disconnected(
         if not collector.done():
             collector.cancel()
         await collector
-    finally:
+    finally:  # cancelling a finished task does nothing
         watcher.cancel()
-        if not collector.done():
-            collector.cancel()
+        collector.cancel()
         await deltas.aclose()
     return choices
 
