@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The C++ linear kernel (kernels.layer_ops on CPU, fp32) against torch's sgemm, by row count.
+"""The C++ linear kernel (kernels.layer_ops on CPU, fp32, packed weights) against torch's
+sgemm on the same products, by row count.
 
 The rows are a decode step's sequences or a prefill's tokens; the shapes are SmolLM2-135M's
-four projections of one layer, timed together, and its lm_head. The kernel streams W once for
-a few rows, where sgemm spends its time packing W; on AVX-512 machines sgemm's 16-float
-registers win from some row count on, which is where layer_ops.SGEMM_MIN_ROWS comes from.
+four projections of a layer, 30 layers of distinct weights on huge pages timed together as a
+step reads them (540 MB with the lm_head: out of cache, as in the model), and its lm_head.
 
     python bench/linear.py --json bench/results/linear_cpu.json
 """
@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench.common import median_ms, print_table, write_json
+from executor_svc import host_memory
 from kernels import layer_ops
-from kernels.ops import cpu_extension
 
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # (in_features, out_features) of SmolLM2-135M: q/k/v and gate/up fused as the model runs them.
 LAYER = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LM_HEAD = {"lm_head": (576, 49152)}
+NUM_LAYERS = 30
 
 
 @dataclass(slots=True)
@@ -43,31 +44,41 @@ class Result:
     sgemm_over_kernel: float  # < 1: sgemm is faster
     kernel_gflops: float
     sgemm_gflops: float
-    layer_ops_takes: str  # the path layer_ops.linear picks for this many rows
+
+
+def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy advised for huge pages before its first touch, as the model's weights are."""
+    return host_memory.zeros(tuple(tensor.shape), tensor.dtype).copy_(tensor)
 
 
 def _measure(
-    name: str, shapes: dict[str, tuple[int, int]], rows: int, min_run_time: float
+    name: str, shapes: dict[str, tuple[int, int]], layers: int, rows: int, min_run_time: float
 ) -> Result:
     gen = torch.Generator().manual_seed(rows)
-    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for k, n in shapes.values()]
-    inputs = [torch.randn(rows, k, generator=gen) for k, _ in shapes.values()]
-    kernel = cpu_extension().linear
-    for x, w in zip(inputs, weights, strict=True):  # both compute the same product
-        torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    plain, packed, widths = [], [], []
+    for _ in range(layers):
+        for k, n in shapes.values():
+            w = torch.randn(n, k, generator=gen) * k**-0.5
+            plain.append(_on_huge_pages(w))
+            packed.append(_on_huge_pages(layer_ops.pack_linear_weight(w)))
+            widths.append(n)
+    inputs = [torch.randn(rows, k, generator=gen) for k, _ in shapes.values()] * layers
+    products = list(zip(inputs, plain, packed, widths, strict=True))
+    for x, w, p, n in products[: len(shapes)]:  # both compute the same product
+        got = layer_ops.linear(x, p, None, n)
+        torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
 
     def run_kernel() -> None:
-        for x, w in zip(inputs, weights, strict=True):
-            kernel(x, w, None)
+        for x, _, p, n in products:
+            layer_ops.linear(x, p, None, n)
 
     def run_sgemm() -> None:
-        for x, w in zip(inputs, weights, strict=True):
+        for x, w, _, _ in products:
             F.linear(x, w)
 
-    kernel_ms = median_ms(run_kernel, min_run_time)
-    sgemm_ms = median_ms(run_sgemm, min_run_time)
+    kernel_ms = median_ms(run_kernel, min_run_time) / layers
+    sgemm_ms = median_ms(run_sgemm, min_run_time) / layers
     flops = sum(2 * rows * k * n for k, n in shapes.values())
-    takes = "kernel" if layer_ops.takes_kernel(rows) else "sgemm"
     return Result(
         name,
         rows,
@@ -76,7 +87,6 @@ def _measure(
         round(sgemm_ms / kernel_ms, 3),
         round(flops / kernel_ms / 1e6, 1),
         round(flops / sgemm_ms / 1e6, 1),
-        takes,
     )
 
 
@@ -87,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     grid = [
-        (name, shapes, rows)
-        for name, shapes in (("layer", LAYER), ("lm_head", LM_HEAD))
+        (name, shapes, layers, rows)
+        for name, shapes, layers in (("layer", LAYER, NUM_LAYERS), ("lm_head", LM_HEAD, 1))
         for rows in args.rows or ROWS
     ]
     results = [
-        _measure(name, shapes, rows, args.min_run_time)
-        for name, shapes, rows in tqdm(grid, desc="linear", unit="shape", file=sys.stderr)
+        _measure(name, shapes, layers, rows, args.min_run_time)
+        for name, shapes, layers, rows in tqdm(grid, desc="linear", unit="shape", file=sys.stderr)
     ]
     capability = torch.backends.cpu.get_cpu_capability()
     print_table(
@@ -105,20 +115,18 @@ def main(argv: list[str] | None = None) -> int:
             "sgemm/kernel",
             "kernel GF/s",
             "sgemm GF/s",
-            "layer_ops takes",
         ],
         [[getattr(r, f) for f in Result.__slots__] for r in results],
-        title=f"linear, fp32, {torch.get_num_threads()} threads, CPU capability {capability}: "
-        + (f"sgemm from {layer_ops.SGEMM_MIN_ROWS} rows" if layer_ops.WIDE_SGEMM else "no sgemm"),
+        title=f"linear, fp32, {torch.get_num_threads()} threads, CPU capability {capability}, "
+        f"ms per layer ({NUM_LAYERS} layers' weights, out of cache)",
     )
     if args.json:
-        config = {"rows": args.rows or list(ROWS), "min_run_time": args.min_run_time}
-        body = {
-            "cpu_capability": capability,
-            "wide_sgemm": layer_ops.WIDE_SGEMM,
-            "sgemm_min_rows": layer_ops.SGEMM_MIN_ROWS,
-            "results": [asdict(r) for r in results],
+        config = {
+            "rows": args.rows or list(ROWS),
+            "min_run_time": args.min_run_time,
+            "layers": NUM_LAYERS,
         }
+        body = {"cpu_capability": capability, "results": [asdict(r) for r in results]}
         write_json(args.json, config, body)
     return 0
 

@@ -39,6 +39,8 @@ def load_model(
     if shard is not None:
         shard.add_all_reduces(model)
     if device.type == "cpu":
+        if dtype == torch.float32:
+            model.pack_linears()
         host_memory.pack_parameters(model)
     return model.eval()
 

@@ -14,39 +14,35 @@ def _cpu_fp32(*tensors: Tensor) -> bool:
     return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
 
 
-# On CPUs with 16-float (AVX-512) registers, torch's sgemm (MKL) packs W and outruns the C++
-# kernel from about this many rows on. bench/results/linear_cpu.json, two cores of a Xeon with
-# AVX-512, sgemm's time over the kernel's for SmolLM2's layer / lm_head shapes: 32 rows
-# 1.05 / 0.87, 48 rows 1.02 / 0.95 (a step's linears take about the same time either way),
-# 64 rows 0.83 / 0.75.
-WIDE_SGEMM = torch.backends.cpu.get_cpu_capability() == "AVX512"
-SGEMM_MIN_ROWS = 48
+# Output features per panel of a packed weight: kLinearPanel in csrc/cpu/cpu_kernels.h.
+LINEAR_PANEL = 32
 
 
-def takes_kernel(rows: int) -> bool:
-    """Whether linear() runs the C++ kernel on this many rows (fp32 on CPU), or torch's sgemm."""
-    return not (WIDE_SGEMM and rows >= SGEMM_MIN_ROWS)
+def pack_linear_weight(weight: Tensor) -> Tensor:  # [out, in] -> [ceil(out / 32), in, 32]
+    """W in panels of LINEAR_PANEL output features, each a contiguous [in_features, 32] run
+    (zero rows pad the last): the layout linear() streams on CPU in fp32."""
+    out_features, in_features = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -out_features % LINEAR_PANEL))
+    return padded.view(-1, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def is_packed(weight: Tensor) -> bool:
+    return weight.dim() == 3
 
 
 def linear(
     x: Tensor,  # [num_tokens, in_features]
-    weight: Tensor,  # [out_features, in_features]
+    weight: Tensor,  # [out_features, in_features], or packed by pack_linear_weight
     bias: Tensor | None = None,  # [out_features]
+    out_features: int | None = None,  # needed with a packed weight
 ) -> Tensor:  # [num_tokens, out_features]
-    """x W^T + b. On CPU in fp32 a C++ kernel takes a decode step's few rows, streaming W once
-    where BLAS sgemm would spend its time packing W; it takes every row count on 8-float (AVX2)
-    machines, where it is as fast as sgemm on a prefill's thousands, and below SGEMM_MIN_ROWS on
-    AVX-512 ones (`python bench/linear.py` prints both side by side)."""
-    if (
-        _cpu_fp32(x, weight)
-        and x.dim() == 2
-        and x.shape[1] % 8 == 0
-        and x.stride(1) == 1
-        and weight.is_contiguous()
-        and takes_kernel(x.shape[0])
-    ):
-        return cpu_extension().linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """x W^T + b: a packed weight (CPU, fp32) through the C++ kernel, a plain one through torch."""
+    if not is_packed(weight):
+        return F.linear(x, weight, bias)
+    if out_features is None:
+        raise ValueError("a packed weight needs out_features")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return cpu_extension().linear(x, weight, bias, out_features)
 
 
 def rms_norm(

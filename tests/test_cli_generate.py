@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PAGEDSERVE = [sys.executable, "-m", "pagedserve.cli"]
 
 
@@ -54,7 +56,15 @@ def test_generate_json_lines_in_input_order(tiny_model_dir: Path, tmp_path: Path
         "--preemption-mode",
         "swap",
     )
-    assert again.stdout == done.stdout
+    # The same tokens; the logprobs to rounding: attention folds its softmax one KV block at a
+    # time, so another block size sums in another order.
+    redone = [json.loads(line) for line in again.stdout.splitlines()]
+    assert [r["outputs"][0]["token_ids"] for r in redone] == [
+        r["outputs"][0]["token_ids"] for r in results
+    ]
+    for r, first in zip(redone, results, strict=True):
+        logprob = first["outputs"][0]["cumulative_logprob"]
+        assert r["outputs"][0]["cumulative_logprob"] == pytest.approx(logprob, rel=1e-5)
 
 
 def test_generate_n_samples_and_beams(tiny_model_dir: Path, tmp_path: Path):

@@ -16,10 +16,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.layer_ops: a decode step's few rows read the weight once."""
+    """nn.Linear through kernels.layer_ops, whose CPU kernel wants the weight packed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in_features]
-        return layer_ops.linear(x, self.weight, self.bias)
+        return layer_ops.linear(x, self.weight, self.bias, self.out_features)
+
+    def pack(self) -> None:
+        """Repack the loaded weight into layer_ops' panels (CPU, fp32)."""
+        self.weight = nn.Parameter(layer_ops.pack_linear_weight(self.weight.data), False)
 
 
 class RMSNorm(nn.Module):
@@ -145,14 +149,32 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, meta, self.rotary)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return layer_ops.linear(hidden, weight).float()
+        return layer_ops.linear(hidden, weight, None, self.config.vocab_size).float()
+
+    def pack_linears(self) -> None:
+        """Repack every projection and the logits' weight for layer_ops' CPU kernel, once the
+        checkpoint is in. A tied embedding is packed too (one copy of it, not two); lookups
+        then gather its columns from the panels."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.tie_word_embeddings:
+            weight = layer_ops.pack_linear_weight(self.embed_tokens.weight.data)
+            self.embed_tokens.weight = nn.Parameter(weight, False)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [.., hidden]
+        weight = self.embed_tokens.weight
+        if layer_ops.is_packed(weight):  # token t is column t % 32 of panel t // 32
+            panel = layer_ops.LINEAR_PANEL
+            return weight[input_ids // panel, :, input_ids % panel]
+        return self.embed_tokens(input_ids)
 
     def load_hf_state_dict(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy transformers-named weights in, fusing q/k/v and gate/up as they arrive."""

@@ -13,49 +13,79 @@ from kernels import layer_ops, reference
 from kernels.ops import cpu_extension
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
+SHAPES = [(64, 9), (72, 13), (576, 960), (1536, 576)]  # (in_features, out_features)
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 23, 24, 64, 160, 385])
+def test_pack_linear_weight_lays_out_panels_of_32_features() -> None:
+    weight = _randn(70, 5)
+    packed = layer_ops.pack_linear_weight(weight)
+    assert packed.shape == (3, 5, 32) and packed.is_contiguous()
+    for n in (0, 31, 32, 69):
+        torch.testing.assert_close(packed[n // 32, :, n % 32], weight[n], rtol=0, atol=0)
+    assert not packed[2, :, 6:].any()  # features 70..95 are padding
+
+
 @pytest.mark.parametrize(
-    ("in_features", "out_features"), [(64, 9), (72, 13), (576, 960), (1536, 576)]
+    ("rows", "in_features", "out_features"),
+    [
+        *((rows, *shape) for rows in (1, 3, 8, 9, 17, 24, 64, 160, 385) for shape in SHAPES),
+        (1100, 72, 13),
+    ],
 )
 def test_linear_matches_reference(rows: int, in_features: int, out_features: int) -> None:
-    # Below 24 rows the kernel runs 8-wide weight tiles, from 24 on 3 x 4 (3 x 8 with AVX-512)
-    # register blocks over panels of at most 192 rows: 385 rows make three panels (129, 129,
-    # 127), the last not a multiple of 3; out_features 9 and 13 leave partial tiles and blocks.
-    # 72 features are not whole 16-float vectors: 8-float ones even on AVX-512 machines.
-    # Weights scaled as initialised (outputs ~ N(0, 1)), so fp32 rounding stays within TOL.
+    # The kernel sweeps 8-row blocks with 16-float vectors on AVX-512 (vector_floats 8 forces
+    # 2-row blocks of 8-float ones, the path of other x86 machines) over panels of at most 192
+    # rows: 385 rows make three (129, 129, 127), 1100 make six, none a multiple of 8.
+    # out_features 9 and 13 leave a short last panel. Weights scaled as initialised (outputs
+    # ~ N(0, 1)), so fp32 rounding stays within TOL.
     x = _randn(rows, in_features)
     weight = _randn(out_features, in_features, seed=1) * in_features**-0.5
+    packed = layer_ops.pack_linear_weight(weight)
     bias = _randn(out_features, seed=2)
     for b in (None, bias):
         expected = reference.linear(x, weight, b)
-        # The kernel itself at every row count, and layer_ops.linear, which hands rows from
-        # SGEMM_MIN_ROWS on to torch's sgemm on AVX-512 machines.
-        torch.testing.assert_close(cpu_extension().linear(x, weight, b), expected, **TOL)
-        torch.testing.assert_close(layer_ops.linear(x, weight, b), expected, **TOL)
+        for vector_floats in (0, 8):
+            got = cpu_extension().linear(x, packed, b, out_features, vector_floats)
+            torch.testing.assert_close(got, expected, **TOL)
+        torch.testing.assert_close(layer_ops.linear(x, packed, b, out_features), expected, **TOL)
+        torch.testing.assert_close(layer_ops.linear(x, weight, b), expected, **TOL)  # torch's
 
 
 def test_linear_takes_no_rows() -> None:
-    out = layer_ops.linear(torch.empty(0, 64), _randn(8, 64), _randn(8, seed=1))
+    packed = layer_ops.pack_linear_weight(_randn(8, 64))
+    out = layer_ops.linear(torch.empty(0, 64), packed, _randn(8, seed=1), 8)
     assert out.shape == (0, 8)
 
 
-@pytest.mark.parametrize("rows", [4, 30])  # weight tiles, register blocks
-def test_linear_reads_strided_rows_and_falls_back(rows: int) -> None:
+@pytest.mark.parametrize("rows", [4, 30, 300])  # one row block, several, two row panels
+def test_linear_reads_strided_rows(rows: int) -> None:
     wide = _randn(rows, 2 * 64)
     x = wide[:, :64]  # rows strided, elements contiguous
     weight = _randn(32, 64, seed=1) / 8
+    packed = layer_ops.pack_linear_weight(weight)
     expected = reference.linear(x, weight)
-    torch.testing.assert_close(cpu_extension().linear(x, weight, None), expected, **TOL)
-    torch.testing.assert_close(layer_ops.linear(x, weight), expected, **TOL)
-    odd = _randn(4, 60)  # in_features not a multiple of 8: torch's path
-    odd_weight = _randn(32, 60, seed=1) / 8
-    torch.testing.assert_close(layer_ops.linear(odd, odd_weight), reference.linear(odd, odd_weight))
+    torch.testing.assert_close(cpu_extension().linear(x, packed, None, 32), expected, **TOL)
+    torch.testing.assert_close(layer_ops.linear(x, packed, None, 32), expected, **TOL)
+    torch.testing.assert_close(
+        layer_ops.linear(wide[:, ::2], packed, None, 32),
+        reference.linear(wide[:, ::2], weight),
+        **TOL,
+    )  # copied first
+
+
+def test_linear_refuses_a_weight_it_cannot_read() -> None:
+    weight = _randn(40, 64)
+    packed = layer_ops.pack_linear_weight(weight)
+    with pytest.raises(ValueError, match="out_features"):
+        layer_ops.linear(_randn(2, 64), packed)
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        cpu_extension().linear(_randn(2, 64), weight, None, 40)  # not packed
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        cpu_extension().linear(_randn(2, 64), packed, None, 80)  # too few panels
 
 
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (5, 576), (40, 100)])

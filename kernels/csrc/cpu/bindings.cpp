@@ -95,20 +95,25 @@ void reshape_and_cache_op(const at::Tensor& key, const at::Tensor& value, at::Te
 }
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias) {
+                     const std::optional<at::Tensor>& bias, int64_t out_features,
+                     int64_t vector_floats) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat &&
                   x.stride(1) == 1,
               "x must be a [rows, in_features] float32 CPU tensor with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu() &&
-                  weight.scalar_type() == at::kFloat && weight.size(1) == x.size(1),
-              "weight must be a contiguous [out_features, in_features] float32 CPU tensor");
-  TORCH_CHECK(x.size(1) % 8 == 0, "in_features must be a multiple of 8, got ", x.size(1));
+  TORCH_CHECK(out_features >= 0, "out_features must be >= 0, got ", out_features);
+  const int64_t panels = (out_features + cpu::kLinearPanel - 1) / cpu::kLinearPanel;
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu() &&
+                  weight.scalar_type() == at::kFloat && weight.size(0) == panels &&
+                  weight.size(1) == x.size(1) && weight.size(2) == cpu::kLinearPanel,
+              "weight must be packed by layer_ops.pack_linear_weight: a contiguous [", panels,
+              ", ", x.size(1), ", ", cpu::kLinearPanel, "] float32 CPU tensor, got ",
+              weight.sizes());
   if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == weight.size(0) &&
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == out_features &&
                     bias->scalar_type() == at::kFloat && bias->device().is_cpu(),
                 "bias must be a contiguous [out_features] float32 CPU tensor");
   }
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   LinearParams p{};
   p.y = y.data_ptr<float>();
   p.x = x.data_ptr<float>();
@@ -117,8 +122,8 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
   p.x_row_stride = x.stride(0);
   p.rows = x.size(0);
   p.in_features = x.size(1);
-  p.out_features = weight.size(0);
-  cpu::linear(p);
+  p.out_features = out_features;
+  cpu::linear(p, vector_floats);
   return y;
 }
 
@@ -219,7 +224,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("context_lens"), py::arg("query_start_loc"), py::arg("scale"),
         "query_start_loc None: one query token per sequence (decode)");
   m.def("linear", &pagedserve::cpu::linear_op, py::arg("x"), py::arg("weight"), py::arg("bias"),
-        "x W^T + b for a few rows of x, reading W once (decode batches)");
+        py::arg("out_features"), py::arg("vector_floats") = 0,
+        "x W^T + b with W packed in panels (layer_ops.pack_linear_weight); vector_floats 8 "
+        "forces 8-float vectors");
   m.def("rms_norm", &pagedserve::cpu::rms_norm_op, py::arg("x"), py::arg("weight"),
         py::arg("eps"));
   m.def("silu_and_mul", &pagedserve::cpu::silu_and_mul_op, py::arg("gate_up"));

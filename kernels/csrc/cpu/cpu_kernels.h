@@ -30,19 +30,23 @@ struct AttentionParams {
 // block table; parallel over (sequence, kv head, tile of new tokens) on torch's intra-op threads.
 void paged_attention(c10::ScalarType dtype, const AttentionParams& params);
 
+// Output features per panel of a packed linear weight (layer_ops.LINEAR_PANEL).
+constexpr int64_t kLinearPanel = 32;
+
 struct LinearParams {
   float* y;              // [rows, out_features], contiguous
   const float* x;        // [rows, in_features], elements contiguous within a row
-  const float* weight;   // [out_features, in_features], contiguous
+  const float* weight;   // packed: [ceil(out_features / 32), in_features, 32], zero-padded
   const float* bias;     // [out_features] or nullptr
   int64_t x_row_stride;  // elements between two rows of x
   int64_t rows;
-  int64_t in_features;   // a multiple of 8
+  int64_t in_features;
   int64_t out_features;
 };
 
-// y = x W^T + b; parallel over panels of rows and chunks of output features.
-void linear(const LinearParams& params);
+// y = x W^T + b; parallel over panels of rows and runs of weight panels. vector_floats 8 picks
+// 8-float vectors even where the CPU has 16 (tests, benchmarks); anything else, the widest.
+void linear(const LinearParams& params, int64_t vector_floats);
 
 struct RmsNormParams {
   float* out;            // [num_tokens, hidden_size], contiguous
