@@ -48,6 +48,12 @@ from bench.launch import free_port, redis_url, server
 POLICIES = ("prefix", "round-robin")
 
 
+# Requests start this far apart, in trace order: sent all at once, the threads reached the
+# scheduler in whatever order they ran, and round robin, whose point is the A A B B order,
+# once got A B A B and matched prefix routing's hit rate.
+ARRIVAL_GAP_S = 0.05
+
+
 def two_prompt_trace(args: argparse.Namespace) -> Trace:
     """Two system prompts' requests in the order A A B B A A ...: round robin over two
     executors then gives each executor both prompts."""
@@ -124,6 +130,7 @@ def run_policy(args: argparse.Namespace, trace: Trace, store: str, policy: str) 
         bar = progress(trace.num_requests, policy)
 
         def send(i: int) -> int:
+            time.sleep(i * ARRIVAL_GAP_S)
             body = {"model": model, "prompt": trace.prompts[i], "temperature": 0}
             body |= {"max_tokens": trace.output_lens[i], "ignore_eos": True}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
