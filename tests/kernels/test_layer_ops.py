@@ -39,7 +39,8 @@ def test_pack_linear_weight_lays_out_panels_of_32_features() -> None:
 def test_linear_matches_reference(rows: int, in_features: int, out_features: int) -> None:
     # The kernel sweeps 8-row blocks with 16-float vectors on AVX-512 (vector_floats 8 forces
     # 2-row blocks of 8-float ones, the path of other x86 machines) over panels of at most 192
-    # rows: 385 rows make three (129, 129, 127), 1100 make six, none a multiple of 8.
+    # rows: 385 rows make three (129, 129, 127: blocks of 8 and tails of 1 and 7 rows), 1100 six
+    # (184 x 5, 180).
     # out_features 9 and 13 leave a short last panel. Weights scaled as initialised (outputs
     # ~ N(0, 1)), so fp32 rounding stays within TOL.
     x = _randn(rows, in_features)
@@ -53,6 +54,18 @@ def test_linear_matches_reference(rows: int, in_features: int, out_features: int
             torch.testing.assert_close(got, expected, **TOL)
         torch.testing.assert_close(layer_ops.linear(x, packed, b, out_features), expected, **TOL)
         torch.testing.assert_close(layer_ops.linear(x, weight, b), expected, **TOL)  # torch's
+
+
+@pytest.mark.parametrize("vector_floats", [0, 8])
+def test_linear_gives_a_row_the_same_bits_in_any_batch(vector_floats: int) -> None:
+    # Each output is summed over k in order by whichever block holds its row, so a sequence's
+    # logits do not change with the batch it is decoded in.
+    x = _randn(200, 576)
+    packed = layer_ops.pack_linear_weight(_randn(960, 576, seed=1) / 24)
+    whole = cpu_extension().linear(x, packed, None, 960, vector_floats)
+    for start, stop in ((0, 1), (5, 8), (9, 26), (3, 196)):
+        part = cpu_extension().linear(x[start:stop], packed, None, 960, vector_floats)
+        assert torch.equal(part, whole[start:stop])
 
 
 def test_linear_takes_no_rows() -> None:

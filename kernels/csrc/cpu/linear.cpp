@@ -18,7 +18,7 @@
 // L2. On two cores of a Xeon with AVX-512, SmolLM2's decode steps spent 30.6 / 40.9 / 99.6 ms
 // in linears at 8 / 24 / 64 sequences, against 36.0 / 66.0 / 150.3 ms with the dot-product
 // kernel this replaced (unpacked W, 8-row tiles, sgemm from 48 rows); `bench/linear.py` puts it
-// at 1.2-2.4x torch's sgemm from 4 to 96 rows and 0.8-0.96x from 128 (a prefill's rows).
+// at 1.2-2.4x torch's sgemm from 4 to 96 rows and 0.8-1.0x from 256 (a prefill's rows).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -28,14 +28,13 @@
 #include "cpu_kernels.h"
 #include "vec.h"
 
-
 namespace pagedserve::cpu {
 namespace {
 
 constexpr int64_t kPanelRows = 192;    // rows of x a piece sweeps its panels with, at most
 constexpr int64_t kPiecePanels = 2;    // panels per piece of work handed to a thread
-constexpr int64_t kPrefetchPanels = 4;  // how far ahead panels are prefetched (measured: 1, 2,
-                                        // 4, 6, 8; 4 was fastest from 4 to 48 rows)
+constexpr int64_t kPrefetchPanels = 4;  // how far ahead panels are prefetched (a prototype
+                                        // tried 1, 2, 4, 6, 8: 4 was fastest, 4 to 48 rows)
 
 using vfloat16 = float __attribute__((vector_size(64)));
 
@@ -139,9 +138,9 @@ PAGEDSERVE_INLINE void piece(const LinearParams& p, int64_t m0, int64_t m1, int6
       const int64_t m = m0 + b * R;
       PanelPrefetch prefetch;
       if (ahead) {
-        const int64_t first = b * share;
-        prefetch = {w + (kPrefetchPanels * p.in_features + first) * kLinearPanel,
-                    std::max<int64_t>(0, std::min(share, p.in_features - first)), blocks};
+        const int64_t k0 = b * share;
+        prefetch = {w + (kPrefetchPanels * p.in_features + k0) * kLinearPanel,
+                    std::max<int64_t>(0, std::min(share, p.in_features - k0)), blocks};
       }
       const float* x = p.x + m * p.x_row_stride;
       float* y = p.y + m * p.out_features + n;
