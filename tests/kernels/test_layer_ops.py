@@ -38,9 +38,9 @@ def test_pack_linear_weight_lays_out_panels_of_32_features() -> None:
 )
 def test_linear_matches_reference(rows: int, in_features: int, out_features: int) -> None:
     # The kernel sweeps 8-row blocks with 16-float vectors on AVX-512 (vector_floats 8 forces
-    # 2-row blocks of 8-float ones, the path of other x86 machines) over panels of at most 192
-    # rows: 385 rows make three (129, 129, 127: blocks of 8 and tails of 1 and 7 rows), 1100 six
-    # (184 x 5, 180).
+    # 3-row blocks of 8-float ones, the path of other x86 machines) over panels of at most 192
+    # rows: 385 rows make three (129, 129, 127: tails of 1 and 7 rows in blocks of 8, 0 and 1
+    # in blocks of 3), 1100 six (184 x 5, 180).
     # out_features 9 and 13 leave a short last panel. Weights scaled as initialised (outputs
     # ~ N(0, 1)), so fp32 rounding stays within TOL.
     x = _randn(rows, in_features)

@@ -10,8 +10,11 @@
 //   acc[r][c] += x[m+r][k] * W[p][k][c*L .. c*L+L)    for every k; c < 32 / L vectors of L floats
 //   y[m+r][p*32 .. p*32+32) = acc[r][0..] + b
 //
-// 8 rows x 2 16-float vectors on AVX-512 (16 accumulators, 10 loads per 16 FMAs), 2 rows x 4
-// 8-float vectors elsewhere (AVX2 has 16 registers). No horizontal sums: each accumulator lane
+// 8 rows x 2 16-float vectors on AVX-512 (16 accumulators, 10 loads per 16 FMAs), 3 rows x 4
+// 8-float vectors elsewhere (12 of AVX2's 16 registers; the fourth vector of weights is a memory
+// operand, so 7 loads per 12 FMAs). With 2 rows x 4, the 2-row blocks of an EPYC (AVX2) took
+// each panel from L2 twice as often and the layers' linears ran 1.3-1.8x slower from 32 rows
+// (`bench/linear.py`, alternating the two builds twice), 0.9-1.2x from 4 to 24. No horizontal sums: each accumulator lane
 // is one output, summed over k in order, so a row's result does not depend on the batch around
 // it. The first sweep of a panel streams it from memory while prefetching the panel
 // kPrefetchPanels ahead, spread over the panel's row blocks; later sweeps (more rows) find it in
@@ -45,7 +48,7 @@ template <typename V>
 constexpr int kVectors = kLinearPanel / kLanes<V>;  // vectors per panel row
 
 template <typename V>
-constexpr int kBlockRows = kLanes<V> == 16 ? 8 : 2;
+constexpr int kBlockRows = kLanes<V> == 16 ? 8 : 3;
 
 template <typename V>
 PAGEDSERVE_INLINE V load_as(const float* p) {
