@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
+from executor_svc import host_memory
 from executor_svc.cache_engine import CacheEngine, CacheShape
 from executor_svc.model_runner import ModelRunner
 from executor_svc.parallel import Shard, check_divisible
@@ -83,6 +84,8 @@ class Executor:
         if self.shard is not None:
             num_gpu_blocks, num_cpu_blocks = self._fewest(num_gpu_blocks, num_cpu_blocks)
         self.cache = CacheEngine(shape, num_gpu_blocks, num_cpu_blocks, self.device)
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()  # after the pools, which keep their own mappings
         sampler = Sampler() if self.shard is None or self.shard.rank == 0 else _NoSampler()
         self.runner = ModelRunner(self.model, self.cache, sampler, self.device)
         return ModelInfo(

@@ -6,6 +6,8 @@ block's rows cost TLB misses and page walks, and the kernel stalls on them. With
 decode attention at batch 128, 1024 tokens each, ran 1.3 times faster here. Every decode step
 also streams all the weights (540 MB for the default model): on huge pages a step of one
 sequence took 46 ms instead of 56 here. Linux only; elsewhere the memory is plain.
+
+The activations of a long prefill are another matter: see keep_freed_memory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import torch
 _HUGE_PAGE = 2 << 20
 _CACHE_LINE = 64
 _MADV_HUGEPAGE = 14
+_M_TRIM_THRESHOLD = -1  # mallopt parameters (glibc's malloc.h)
+_M_MMAP_MAX = -4
+_INT_MAX = (1 << 31) - 1
 
 
 def zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -62,10 +67,29 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc reuse freed memory rather than map fresh pages for each large
+    tensor; False where it cannot be asked (not glibc).
+
+    A prefill's activations are tens of MB each (gate/up for 7,000 tokens: 86 MB), above
+    malloc's mmap threshold, so every one was a new mapping whose pages faulted in, zeroed,
+    on first write. On an EPYC (Zen 5) that gate/up projection took 110 ms instead of 72;
+    sharegpt-100 in process took 2.8 million page faults instead of 0.16 million and 79.0 s
+    instead of 72.1 (means of four runs each, alternating). The price: the process keeps its
+    peak of activations resident. Allocations made before the call keep their own mappings
+    (the KV pool and the weights are freed whole)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return libc
