@@ -157,14 +157,21 @@ def median_ms(fn: Callable[[], Any], min_run_time: float) -> float:
 
 
 def machine() -> dict[str, Any]:
-    """Where the figures were measured; results without it cannot be compared."""
+    """Where the figures were measured; results without it cannot be compared. The model
+    name alone does not tell two generations of a vendor's CPU apart ("AMD EPYC" has been
+    both a Zen 3 without AVX-512 and a Zen 5 with it here): family, model and the vector
+    width torch picked do."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    info: dict[str, str] = {}
     with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        for line in f:
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     return {
-        "cpu": names[0] if names else cpu,
+        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

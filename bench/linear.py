@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_run_time": args.min_run_time,
             "layers": NUM_LAYERS,
         }
-        body = {"cpu_capability": capability, "results": [asdict(r) for r in results]}
-        write_json(args.json, config, body)
+        write_json(args.json, config, {"results": [asdict(r) for r in results]})
     return 0
 
 
