@@ -13,7 +13,6 @@ default grid is batch 1-256 x context 128-4096 on either device (issue 3 asks < 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from bench.common import median_ms
+from bench.common import median_ms, write_json
 from kernels import ops
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -152,16 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     print(f"worst paged / contiguous: {worst:.2f} (target < {TARGET_RATIO})")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
+        config = {
             "device": device_name,
             "dtype": dtype_name,
             "shape": asdict(shape),
+            "batches": batches,
+            "contexts": contexts,
+            "min_run_time": args.min_run_time,
+        }
+        body = {
             "target_ratio": TARGET_RATIO,
             "worst_ratio": worst,
             "results": [asdict(r) for r in results],
         }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, config, body)
     return 0
 
 
