@@ -71,9 +71,8 @@ def test_packed_parameters_are_advised_for_huge_pages():
     assert "hg" in _vm_flags(weight.data_ptr() + weight.nbytes // 2)
 
 
-REFILL = """
+FAULTS = """
 import resource, torch
-from executor_svc import host_memory
 
 def faults():  # page faults over ten 64 MB tensors, each filled and freed
     torch.empty(16 << 20).fill_(1.0)
@@ -81,22 +80,47 @@ def faults():  # page faults over ten 64 MB tensors, each filled and freed
     for _ in range(10):
         torch.empty(16 << 20).fill_(1.0)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-print(faults(), host_memory.keep_freed_memory(), faults(), faults())
 """
+
+
+def _run(script: str) -> list[str]:
+    """In a process of its own: the malloc setting is process-wide and cannot be undone."""
+    return subprocess.run(
+        [sys.executable, "-c", FAULTS + script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_memory_is_reused_without_page_faults():
-    # In a process of its own: the setting is process-wide and cannot be undone.
-    out = subprocess.run(
-        [sys.executable, "-c", REFILL], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    out = _run(
+        "from executor_svc import host_memory\n"
+        "print(faults(), host_memory.keep_freed_memory(), faults(), faults())"
+    )
     mapped_afresh, kept, reused = int(out[0]), out[1], int(out[3])
     assert kept == "True"
     assert mapped_afresh >= 10 * 16  # above malloc's mmap threshold: new pages every time
     # The round right after the call grows the heap (small allocations split freed chunks
     # at first); once it holds enough free chunks, none fault.
+    assert reused * 10 < mapped_afresh
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_cpu_executor_reuses_freed_memory(tiny_model_dir: Path):
+    out = _run(
+        "from executor_svc.executor import Executor\n"
+        "from pagedserve.settings import ExecutorConfig\n"
+        "before = faults()\n"
+        f"config = ExecutorConfig(model={str(tiny_model_dir)!r}, device='cpu', "
+        "num_gpu_blocks=64, swap_space=0.01)\n"
+        "Executor(config).init_cache()\n"
+        "faults()\n"
+        "print(before, faults())"
+    )
+    mapped_afresh, reused = int(out[0]), int(out[1])
     assert reused * 10 < mapped_afresh
 
 
