@@ -111,12 +111,13 @@ Flags = dict[str, str | int | float | bool | None]
 
 
 def pagedserve_server(flags: Flags) -> contextlib.AbstractContextManager:
-    """`pagedserve serve` (executor + scheduler processes) on free ports.
+    """`pagedserve serve` (executor + scheduler processes) on free ports; the executor on
+    ``flags["executor_port"]`` when given.
 
     A flag whose value is True is passed bare (``--enable-prefix-caching``); False drops it.
     """
-    port, executor_port = free_port(), free_port()
-    flags = flags | {"port": port, "executor_port": executor_port}
+    port = free_port()
+    flags = {"executor_port": free_port()} | flags | {"port": port}
     if _serve_has_flag("--executor-metrics-port"):  # a fixed default would collide
         flags["executor_metrics_port"] = 0
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve"]

@@ -58,7 +58,9 @@ from bench.common import (
     time_offline,
     write_json,
 )
-from bench.launch import NO_VLLM, pagedserve_server, redis_url
+from bench.launch import NO_VLLM, free_port, pagedserve_server, redis_url
+from pagedserve.model_info import ExecutorStats
+from scheduler_svc.executor_client import ExecutorClient
 
 SYSTEMS = ("pagedserve", "services", "hf", "hf-cb", "vllm")
 ROUNDED = ("pagedserve", "services", "vllm")  # the whole trace each, minutes a run
@@ -81,15 +83,34 @@ def run_inprocess(trace: Trace, args: argparse.Namespace) -> Run:
 
 
 def run_services(trace: Trace, args: argparse.Namespace) -> Run:
-    """`pagedserve serve` journaling every step to Redis, as deployed."""
+    """`pagedserve serve` journaling every step to Redis, as deployed. The executor's own
+    step time, read from it around the timed part, splits the wall time in two: its
+    steps, and what the services add between them (scheduler, gRPC, Redis, HTTP)."""
     with redis_url(args.redis) as store:
         flags = engine_flags(args) | {"state_store": store, "namespace": f"bench-{uuid.uuid4()}"}
+        flags["executor_port"] = free_port()
         with pagedserve_server(flags) as url:
-            wall, output_tokens = asyncio.run(_send_all(url, trace))
-    return Run(trace.num_requests, wall, sum(trace.prompt_lens), output_tokens)
+            executor = ExecutorClient(f"127.0.0.1:{flags['executor_port']}")
+            try:
+                wall, output_tokens, stats = asyncio.run(_send_all(url, trace, executor.get_stats))
+            finally:
+                executor.close()
+    split = step_split(wall, *stats)
+    return Run(trace.num_requests, wall, sum(trace.prompt_lens), output_tokens, extra=split)
 
 
-async def _send_all(url: str, trace: Trace) -> tuple[float, int]:
+def step_split(wall: float, before: ExecutorStats, after: ExecutorStats) -> dict[str, Any]:
+    """The executor's steps within ``wall`` and the time a step spent outside them."""
+    steps = after.num_steps - before.num_steps
+    busy = after.total_step_seconds - before.total_step_seconds
+    outside = round(1e3 * (wall - busy) / steps, 2) if steps else None
+    split = {"wall_s": round(wall, 3), "steps": steps, "step_s": round(busy, 3)}
+    return {"executor": split | {"outside_steps_ms_per_step": outside}}
+
+
+async def _send_all(
+    url: str, trace: Trace, executor_stats: Callable[[], ExecutorStats]
+) -> tuple[float, int, tuple[ExecutorStats, ExecutorStats]]:
     """All requests at once, one connection each: the server, not the client, queues them."""
     limits = httpx.Limits(max_connections=trace.num_requests + 8, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
@@ -107,10 +128,12 @@ async def _send_all(url: str, trace: Trace) -> tuple[float, int]:
 
         await send(base | {"prompt": trace.prompts[0][:8], "max_tokens": WARMUP_TOKENS}, None)
         with progress(len(payloads), "services") as bar:
+            before = executor_stats()
             start = time.perf_counter()
             counts = await asyncio.gather(*(send(p, bar) for p in payloads))
             wall = time.perf_counter() - start
-    return wall, sum(counts)
+            after = executor_stats()
+    return wall, sum(counts), (before, after)
 
 
 def run_hf(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
@@ -319,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     print_results(systems, ratio)
     services = ratio.get("services")
     print(f"services / in-process output tokens/s: {fmt(services, 3)}")
+    split = systems["services"].get("executor")
+    if split:
+        print(
+            f"services (last round): the executor's {split['steps']} steps took "
+            f"{split['step_s']} of {split['wall_s']} s; "
+            f"{fmt(split['outside_steps_ms_per_step'], 2)} ms a step went between them"
+        )
     over_hf = rate_over_hf(systems)
     print(f"pagedserve on the whole trace / hf's best static batch rate: {fmt(over_hf, 3)}")
     if args.json:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.common import WORKLOAD, load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +42,12 @@ def test_throughput_pagedserve_and_services(tmp_path: Path, tiny_chat_model_dir:
         assert len(rounds) == 2 and s["wall_s"] == round(sum(rounds) / 2, 3)
         assert s["output_tokens_per_s"] == round(expected / (sum(rounds) / 2), 2)
     assert systems["pagedserve"]["prefill_tokens_computed"] == result["config"]["sum_prompt_tokens"]
+    split = systems["services"]["executor"]  # the last round's, read from the executor
+    assert split["wall_s"] == systems["services"]["wall_s_rounds"][-1]
+    assert split["steps"] >= max(load_trace(WORKLOAD, "sharegpt", 6, 128, 0).output_lens)
+    assert 0 < split["step_s"] < split["wall_s"]
+    outside = 1e3 * (split["wall_s"] - split["step_s"]) / split["steps"]  # of rounded times
+    assert split["outside_steps_ms_per_step"] == pytest.approx(outside, abs=0.01)
     assert "vllm" in systems["vllm"]["skipped"] and "--vllm-python" in systems["vllm"]["skipped"]
     assert systems["hf"]["skipped"].startswith("not selected")
     assert result["ratios"]["pagedserve"] == 1.0
