@@ -9,7 +9,9 @@ first submission to last token.
     pagedserve  OfflineLLM in this process
     services    `pagedserve serve` (executor + scheduler processes, every step journaled to
                 Redis: --redis, else a private redis-server), every request sent at once
-                over HTTP (/v1/completions with token-id prompts, non-streaming)
+                over HTTP (/v1/completions with token-id prompts, non-streaming); also
+                how long each step spent outside the executor (its own step time, read
+                from it)
     hf          transformers `generate` in static batches of 8, 16 and 32 (slow: only the
                 first --hf-requests requests; pagedserve is also timed on those for the ratio)
     hf-cb       transformers' continuous batching (init_continuous_batching), whole trace
