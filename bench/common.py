@@ -254,15 +254,16 @@ def time_offline(llm: Any, trace: Trace) -> Run:
     wall = time.perf_counter() - start
     after = engine_counters(llm.engine)
     output_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-    extra = {name: after[name] - before[name] for name in after}
+    extra = {name: round(after[name] - before[name], 3) for name in after}
     return Run(trace.num_requests, wall, sum(trace.prompt_lens), output_tokens, extra=extra)
 
 
-def engine_counters(engine: Any) -> dict[str, int]:
+def engine_counters(engine: Any) -> dict[str, float]:
     """The engine's running totals that explain a throughput figure."""
     stats, counters = engine.stats, engine.scheduler.block_manager.counters
     return {
         "steps": stats.num_steps,
+        "execute_s": stats.execute_seconds,  # in process: the executor's steps alone
         "prefill_tokens_computed": stats.num_prompt_tokens,
         "prefix_cache_hit_tokens": counters.prefix_cache_hits,
         "preemptions": sum(stats.preemptions.values()),

@@ -274,6 +274,21 @@ def print_results(systems: dict[str, dict], ratio: dict[str, float | None]) -> N
     print_table([*headers, "note"], rows)
 
 
+def print_step_split(systems: dict[str, dict]) -> None:
+    """How much of the last round each engine's executor spent in its steps: what the
+    services lose to the in-process engine, between steps and within them."""
+    ps, split = systems["pagedserve"], systems["services"].get("executor")
+    if "execute_s" in ps:
+        wall = ps.get("wall_s_rounds", [ps["wall_s"]])[-1]
+        print(f"in process (last round): {ps['steps']} steps took {ps['execute_s']} of {wall} s")
+    if split:
+        print(
+            f"services (last round): the executor's {split['steps']} steps took "
+            f"{split['step_s']} of {split['wall_s']} s; "
+            f"{fmt(split['outside_steps_ms_per_step'], 2)} ms a step went between them"
+        )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="sharegpt", choices=PRESETS)
@@ -344,13 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     print_results(systems, ratio)
     services = ratio.get("services")
     print(f"services / in-process output tokens/s: {fmt(services, 3)}")
-    split = systems["services"].get("executor")
-    if split:
-        print(
-            f"services (last round): the executor's {split['steps']} steps took "
-            f"{split['step_s']} of {split['wall_s']} s; "
-            f"{fmt(split['outside_steps_ms_per_step'], 2)} ms a step went between them"
-        )
+    print_step_split(systems)
     over_hf = rate_over_hf(systems)
     print(f"pagedserve on the whole trace / hf's best static batch rate: {fmt(over_hf, 3)}")
     if args.json:

@@ -51,6 +51,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
     num_generation_tokens: int = 0
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
+    execute_seconds: float = 0.0  # inside Execute calls: the steps, and gRPC for a remote one
 
 
 @dataclass(slots=True)
@@ -159,10 +160,12 @@ class LLMEngine:
                 journal.touch(group)
             journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
             journal.crash_if_asked("after_persist")
+        start = time.perf_counter()
         try:
             result = self.executor.execute(step)
         except ExecutorRestarted as e:
             return self._recompute_all(e.instance_id)
+        self.stats.execute_seconds += time.perf_counter() - start
         if journal is not None:
             journal.crash_if_asked("after_execute")
         return self._apply(out, step, result)
