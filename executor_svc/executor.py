@@ -87,7 +87,7 @@ class Executor:
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()  # after the pools, which keep their own mappings
         sampler = Sampler() if self.shard is None or self.shard.rank == 0 else _NoSampler()
-        self.runner = ModelRunner(self.model, self.cache, sampler, self.device)
+        self.runner = ModelRunner(self.model, self.cache, sampler, self.device, self.shard)
         return ModelInfo(
             model=self.config.model,
             vocab_size=cfg.vocab_size,

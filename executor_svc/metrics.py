@@ -25,7 +25,7 @@ class ExecutorMetrics:
         )
         self.step_seconds = Histogram(
             "pagedserve_executor_step_seconds",
-            "one Execute: cache operations, forward pass and sampling",
+            "one Execute: cache operations, then a forward pass and sampling per decode step",
             buckets=STEP_BUCKETS,
             registry=r,
         )
@@ -58,8 +58,8 @@ class ExecutorMetrics:
 
     def observe_step(self, step: ExecuteStep, seconds: float) -> None:
         self.step_seconds.observe(seconds)
-        self.forward_tokens.inc(sum(len(s.new_token_ids) for s in step.seqs))
-        self.forward_seqs.inc(len(step.seqs))
+        self.forward_tokens.inc(sum(len(s.new_token_ids) + s.num_steps - 1 for s in step.seqs))
+        self.forward_seqs.inc(sum(s.num_steps for s in step.seqs))
         self.observe_cache_ops(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
 
     def observe_cache_ops(

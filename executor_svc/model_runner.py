@@ -10,6 +10,7 @@ import torch
 from executor_svc.attention import AttentionMetadata
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.parallel import Shard
 from executor_svc.sampler import Sampler
 from kernels import ops
 from pagedserve.step import SeqOutput, SeqStep
@@ -27,21 +28,55 @@ class ModelRunner:
     """Runs prefill and decode sequences of one step in a single forward pass."""
 
     def __init__(
-        self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        cache: CacheEngine,
+        sampler: Sampler,
+        device: torch.device,
+        shard: Shard | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
+        self.shard = shard
         if device.type == "cpu":
             ops.cpu_extension()  # built (first time only) now rather than inside a step
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqStep]) -> list[SeqOutput]:
-        """Compute every sequence's new tokens against its cached context and draw samples.
+        """Compute every sequence's new tokens against its cached context and draw samples;
+        a sequence with ``num_steps`` k > 1 then decodes k - 1 more tokens, batched with
+        the others still going.
 
         Writes the new tokens' K/V into the KV pool. Returns outputs in input order.
         """
+        outputs = self._forward(seqs)
+        current = list(seqs)
+        going = [i for i, seq in enumerate(seqs) if seq.num_steps > 1]
+        while going:
+            drawn = self._agreed(
+                [outputs[i].token_ids[-1] if outputs[i].token_ids else 0 for i in going]
+            )
+            for i, token_id in zip(going, drawn, strict=True):
+                current[i] = current[i].advance(token_id)
+            for i, more in zip(going, self._forward([current[i] for i in going]), strict=True):
+                outputs[i].token_ids += more.token_ids
+                outputs[i].logprobs += more.logprobs
+                outputs[i].top_logprobs += more.top_logprobs
+            going = [i for i in going if current[i].num_steps > 1]
+        return outputs
+
+    def _agreed(self, token_ids: list[int]) -> list[int]:
+        """Rank 0's draws on every rank: only rank 0 samples under tensor parallelism."""
+        if self.shard is None:
+            return token_ids
+        tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        self.shard.broadcast(tensor)
+        return tensor.tolist()
+
+    def _forward(self, seqs: list[SeqStep]) -> list[SeqOutput]:
+        """One forward pass over the batch and one draw for each sequence, in input order."""
         if not seqs:
             return []
         # Prefill sequences first, then decodes (one new token each), keeping input order.

@@ -66,6 +66,12 @@ class Shard:
         options.reduceOp = op
         self.group.allreduce([tensor], options).wait()
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s (all must call it)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.group.broadcast([tensor], options).wait()
+
     def shard_config(self, config: PretrainedConfig) -> PretrainedConfig:
         """A copy of ``config`` describing this rank's slice; head_dim made explicit."""
         check_divisible(config, self.world_size)

@@ -51,15 +51,22 @@ def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
         raise InvalidArgument(
             f"{name}.num_computed_tokens: negative position {seq.num_computed_tokens}"
         )
-    if seq.context_len > info.max_model_len:
+    if seq.num_steps < 1:
+        raise InvalidArgument(f"{name}.num_steps: {seq.num_steps} < 1")
+    if seq.num_steps > 1 and (seq.num_samples > 1 or seq.sampling_params.use_beam_search):
         raise InvalidArgument(
-            f"{name}: last position {seq.context_len - 1} >= max_model_len {info.max_model_len}"
+            f"{name}.num_steps: {seq.num_steps} steps in a row need one sample and no beams"
+        )
+    last_len = seq.context_len + seq.num_steps - 1  # positions written by the last step
+    if last_len > info.max_model_len:
+        raise InvalidArgument(
+            f"{name}: last position {last_len - 1} >= max_model_len {info.max_model_len}"
         )
     slots = len(seq.block_table) * info.block_size
-    if slots < seq.context_len:
+    if slots < last_len:
         raise InvalidArgument(
             f"{name}.block_table: {len(seq.block_table)} blocks hold {slots} slots, "
-            f"positions need {seq.context_len}"
+            f"positions need {last_len}"
         )
     _check_range(seq.block_table, f"{name}.block_table", "block id", info.num_gpu_blocks)
     for field in ("new_token_ids", "prompt_token_ids", "output_token_ids"):

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from pagedserve.settings import SchedulerConfig
+
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="run the engine in this process on prompts, offline")
@@ -83,6 +85,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
+        num_decode_steps=args.num_decode_steps,
     )
     try:
         results = llm.generate(requests)
@@ -144,6 +147,12 @@ def _executor_config(args: argparse.Namespace):  # -> ExecutorConfig, imported l
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--num-decode-steps",
+        type=int,
+        default=SchedulerConfig.num_decode_steps,
+        help="decode steps run in a row per executor call when nothing waits (1: off)",
+    )
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     p.add_argument("--enable-prefix-caching", action="store_true")
 
@@ -259,6 +268,7 @@ def _scheduler_options(args: argparse.Namespace, executors: list[str]):
         executors=tuple(executors),
         tokenizer=getattr(args, "tokenizer", None),
         max_num_seqs=args.max_num_seqs,
+        num_decode_steps=args.num_decode_steps,
         preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
         enable_prefix_caching=args.enable_prefix_caching,
         state_store=args.state_store,

@@ -50,6 +50,7 @@ class OfflineLLM:
         enable_prefix_caching: bool = False,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        num_decode_steps: int = SchedulerConfig.num_decode_steps,
     ) -> None:
         from executor_svc.executor import Executor
         from pagedserve.model_files import load_tokenizer
@@ -70,6 +71,7 @@ class OfflineLLM:
             max_num_batched_tokens=max_num_batched_tokens or max(8192, info.max_model_len),
             max_model_len=info.max_model_len,
             preemption_mode=preemption_mode,
+            num_decode_steps=num_decode_steps,
         )
         self.engine = LLMEngine(self.executor, cache_config, scheduler_config, info.eos_token_id)
 

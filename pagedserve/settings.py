@@ -54,10 +54,19 @@ class SchedulerConfig:
         default=None,
         metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
     )
+    num_decode_steps: int = field(
+        default=8,
+        metadata=_help(
+            "decode steps an executor runs in a row when only decodes are scheduled and "
+            "nothing waits (one scheduler round trip and commit for all of them)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps must be >= 1, got {self.num_decode_steps}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < self.max_model_len:

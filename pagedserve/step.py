@@ -17,6 +17,10 @@ class SeqStep:
 
         positions:  0 .. num_computed_tokens-1 | num_computed_tokens .. +len(new_token_ids)-1
                     already in the cache        this step writes these slots and attends to all
+
+    With ``num_steps`` k > 1 (one sample, no beams) the executor goes on decoding: each
+    drawn token is fed back at the next position, k tokens in all, so one round trip to
+    the scheduler serves k decode steps. The table then maps k - 1 more positions.
     """
 
     seq_id: int
@@ -31,10 +35,27 @@ class SeqStep:
     # Only sent when a penalty needs them: the full prompt and the output so far.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    num_steps: int = 1
 
     @property
     def context_len(self) -> int:
         return self.num_computed_tokens + len(self.new_token_ids)
+
+    def advance(self, token_id: int) -> SeqStep:
+        """The next of ``num_steps`` decode steps: ``token_id`` (just drawn) goes in."""
+        return SeqStep(
+            seq_id=self.seq_id,
+            new_token_ids=[token_id],
+            num_computed_tokens=self.context_len,
+            block_table=self.block_table,
+            sampling_params=self.sampling_params,
+            sample_index=self.sample_index,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=(
+                [*self.output_token_ids, token_id] if self.sampling_params.has_penalties else []
+            ),
+            num_steps=self.num_steps - 1,
+        )
 
 
 @dataclass(slots=True)
@@ -51,8 +72,9 @@ class ExecuteStep:
 
 @dataclass(slots=True)
 class SeqOutput:
-    """What was drawn for one sequence: ``num_samples`` tokens with their logprobs, and
-    when asked for, the top alternatives of each draw as ``{token_id: logprob}``."""
+    """What was drawn for one sequence: ``num_samples`` tokens (or ``num_steps`` in a row)
+    with their logprobs, and when asked for, the top alternatives of each draw as
+    ``{token_id: logprob}``."""
 
     seq_id: int
     token_ids: list[int]

@@ -144,28 +144,37 @@ class BlockManager:
         """Whether every running sequence can get a slot (worst case: one new block each)."""
         return self.gpu.num_free_blocks >= group.num_seqs(SequenceStatus.RUNNING)
 
-    def append_slots(self, seq: Sequence) -> tuple[BlockId, BlockId] | None:
-        """Map slots up to the sequence's length, allocating a block only when the last
-        one is full; a write into a shared block first moves it to a private copy.
+    def append_slots(self, seq: Sequence, lookahead: int = 0) -> tuple[BlockId, BlockId] | None:
+        """Map slots up to the sequence's length plus ``lookahead`` (the positions of
+        decode steps run in a row), allocating a block only when the last one is full;
+        a write into a shared block first moves it to a private copy.
 
         Returns:
             The copy-on-write ``(src, dst)`` the executor must apply before the step, or None.
         """
         table = self.block_tables[seq.seq_id]
         num_slots = self._num_slots[seq.seq_id]
+        target = seq.get_len() + lookahead
         copy = None
-        if num_slots < seq.get_len() and num_slots % self.block_size != 0:
+        if num_slots < target and num_slots % self.block_size != 0:
             last = table[-1]
             if self.gpu.ref_counts[last] > 1:
                 table[-1] = self.gpu.allocate()
                 self.gpu.free(last)
                 self.counters.cow_copies += 1
                 copy = (last, table[-1])
-        while len(table) < self.blocks_for(seq.get_len()):
+        while len(table) < self.blocks_for(target):
             table.append(self.gpu.allocate())
-        self._num_slots[seq.seq_id] = seq.get_len()
+        self._num_slots[seq.seq_id] = max(num_slots, target)
         self._register_full_blocks(seq, len(self._hashes[seq.seq_id]))
         return copy
+
+    def blocks_to_append(self, seq: Sequence, lookahead: int) -> int:
+        """New blocks ``append_slots(seq, lookahead)`` would take, a copy on write included."""
+        num_slots, target = self._num_slots[seq.seq_id], seq.get_len() + lookahead
+        table = self.block_tables[seq.seq_id]
+        shared_tail = num_slots % self.block_size != 0 and self.gpu.ref_counts[table[-1]] > 1
+        return max(0, self.blocks_for(target) - len(table)) + (num_slots < target and shared_tail)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the child the parent's table; every block gains a reference."""
@@ -340,7 +349,8 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence, start: int) -> None:
         """Hash the sequence's full blocks from ``start`` on and publish them for reuse."""
-        num_full = self._num_slots[seq.seq_id] // self.block_size
+        # Slots mapped ahead for decode steps in a row hold no known token yet.
+        num_full = min(self._num_slots[seq.seq_id], seq.get_len()) // self.block_size
         if not self.enable_prefix_caching or start >= num_full:
             return
         hashes = self._hashes[seq.seq_id]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, PreemptionMode, SchedulerConfig
-from pagedserve.step import ExecuteStep, ExecutorRestarted, SeqStep, StepResult
+from pagedserve.step import ExecuteStep, ExecutorRestarted, SeqOutput, SeqStep, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import Detokenizer, find_stop
 from scheduler_svc.journal import Journal, restore_groups
@@ -187,11 +188,11 @@ class LLMEngine:
         outcome = StepOutcome(finished=list(out.ignored), preempted=list(out.preempted))
         if step is not None and result is not None:
             self._count(out, step)
-            samples = {o.seq_id: o for o in result.outputs}
-            outcome.finished += self.processor.process(out, samples)
             outcome.groups = [s.group for s in out.scheduled]
-            if self.detokenizer is not None:
-                self._detokenize(outcome)
+            for samples in _one_step_at_a_time(step, result):
+                outcome.finished += self.processor.process(out, samples)
+                if self.detokenizer is not None:
+                    self._detokenize(outcome)
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
         for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
@@ -279,7 +280,7 @@ class LLMEngine:
                     if not seq.status.is_finished:
                         self.processor.finish(seq, SequenceStatus.FINISHED_STOPPED)
                         stopped = True
-                outcome.text_deltas[seq.seq_id] = delta
+                outcome.text_deltas[seq.seq_id] = outcome.text_deltas.get(seq.seq_id, "") + delta
         if stopped:
             outcome.finished += self.scheduler.free_finished()
 
@@ -291,7 +292,7 @@ class LLMEngine:
         stats.num_prompt_tokens += sum(
             len(s.new_token_ids) for s in step.seqs if len(s.new_token_ids) > 1
         )
-        stats.num_generation_tokens += sum(s.num_samples for s in step.seqs)
+        stats.num_generation_tokens += sum(s.num_samples * s.num_steps for s in step.seqs)
         for _, mode in out.preempted:
             stats.preemptions[mode.value] = stats.preemptions.get(mode.value, 0) + 1
 
@@ -316,6 +317,7 @@ class LLMEngine:
         recovery rebuilds the pending step with it, equal to the step that was sent."""
         params = group.sampling_params
         history = params.has_penalties
+        num_slots = self.scheduler.block_manager.num_slots(seq)
         return SeqStep(
             seq_id=seq.seq_id,
             new_token_ids=seq.get_token_ids()[seq.num_computed_tokens :],
@@ -326,4 +328,24 @@ class LLMEngine:
             sample_index=index,
             prompt_token_ids=seq.prompt_token_ids if history else [],
             output_token_ids=list(seq.output_token_ids) if history else [],  # a copy: grows
+            num_steps=num_slots - seq.get_len() + 1,  # slots mapped ahead: see Scheduler
         )
+
+
+def _one_step_at_a_time(step: ExecuteStep, result: StepResult) -> Iterator[dict[int, SeqOutput]]:
+    """The samples of each decode step of ``result`` by seq_id, in order: sequences run
+    ``num_steps`` in a row answer one token per step, applied (and stopped) as if each had
+    come back on its own."""
+    outputs = result.outputs
+    num_steps = max((s.num_steps for s in step.seqs), default=1)
+    if num_steps == 1:
+        yield {o.seq_id: o for o in outputs}
+        return
+    for i in range(num_steps):
+        yield {
+            o.seq_id: SeqOutput(
+                o.seq_id, o.token_ids[i : i + 1], o.logprobs[i : i + 1], o.top_logprobs[i : i + 1]
+            )
+            for o in outputs
+            if i < len(o.token_ids)
+        }

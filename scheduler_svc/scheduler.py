@@ -110,6 +110,7 @@ class Scheduler:
             self._schedule_swapped(out)
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out)
+        self._look_ahead(out)
         assert self._num_running_seqs() <= self.config.max_num_seqs, "seq budget exceeded"
         return out
 
@@ -168,6 +169,33 @@ class Scheduler:
                 out.num_batched_tokens += seq.get_len() - seq.num_computed_tokens
             bisect.insort(self.running, group, key=_arrival)
             out.scheduled.append(ScheduledGroup(group, True, num_cached))
+
+    def _look_ahead(self, out: SchedulerOutput) -> None:
+        """Map slots for ``num_decode_steps`` decode steps in a row when the step holds
+        only decodes outside beam search (which decides between steps) and no group waits
+        for room: the executor then decodes them without coming back.
+
+        Each sequence runs at most to its ``max_tokens``; all of them or none look ahead,
+        and only if the pool keeps its watermark free.
+        """
+        k = self.config.num_decode_steps
+        if k == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:
+            return
+        seqs = []
+        for scheduled in out.scheduled:
+            params = scheduled.group.sampling_params
+            if scheduled.is_prefill or params.use_beam_search:
+                return
+            for seq in scheduled.group.get_seqs(SequenceStatus.RUNNING):
+                seqs.append((seq, min(k, params.max_tokens - len(seq.output_token_ids)) - 1))
+        bm = self.block_manager
+        needed = sum(bm.blocks_to_append(seq, lookahead) for seq, lookahead in seqs)
+        if bm.gpu.num_free_blocks - needed < bm.watermark_blocks:
+            return
+        for seq, lookahead in seqs:
+            if lookahead > 0:
+                copy = bm.append_slots(seq, lookahead)
+                assert copy is None, "the step's own slot already made the tail private"
 
     # -- helpers ---------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class SchedulerOptions:
     connect_timeout: float = 600.0  # the executor may still be loading its model
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    num_decode_steps: int = SchedulerConfig.num_decode_steps
     preemption_mode: PreemptionMode | None = None
     enable_prefix_caching: bool = False
     state_store: str | None = None  # redis://HOST:PORT/DB; default: in this process
@@ -88,6 +89,7 @@ class EngineFactory:
             max_num_batched_tokens=options.max_num_batched_tokens or max(8192, info.max_model_len),
             max_model_len=info.max_model_len,
             preemption_mode=options.preemption_mode,
+            num_decode_steps=options.num_decode_steps,
         )
         store = self.store if address == self.root_lane else self.store.lane(address)
         log.info(

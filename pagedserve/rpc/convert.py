@@ -91,6 +91,7 @@ def step_to_pb(step: ExecuteStep) -> pb.ExecuteRequest:
             sample_index=s.sample_index,
             prompt_token_ids=s.prompt_token_ids,
             output_token_ids=s.output_token_ids,
+            num_steps=s.num_steps,
         )
     return request
 
@@ -116,6 +117,7 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
                 sample_index=s.sample_index,
                 prompt_token_ids=list(s.prompt_token_ids),
                 output_token_ids=list(s.output_token_ids),
+                num_steps=max(s.num_steps, 1),
             )
         )
     return ExecuteStep(

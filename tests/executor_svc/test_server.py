@@ -229,6 +229,12 @@ MAX_LEN = 1024  # the tiny model's max_position_embeddings
         ({"new_token_ids": list(range(20))}, "seqs[0].block_table"),
         ({"num_computed_tokens": MAX_LEN - 1, "block_table": [0] * 65}, "max_model_len"),
         ({"num_samples": 0}, "seqs[0].num_samples"),
+        ({"num_steps": 2}, "seqs[0].num_steps"),  # steps in a row of four samples each
+        ({"num_samples": 1, "num_steps": 15}, "seqs[0].block_table"),  # 17 positions
+        (
+            {"num_samples": 1, "num_steps": 3, "num_computed_tokens": MAX_LEN - 4},
+            "max_model_len",
+        ),
         ({"blocks_to_copy": [(0, NUM_GPU_BLOCKS)]}, "blocks_to_copy[0].dst"),
         ({"blocks_to_swap_in": [(10**6, 0)]}, "blocks_to_swap_in[0].src"),
     ],

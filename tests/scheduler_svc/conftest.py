@@ -27,14 +27,23 @@ def tiny_executor(tiny_chat_model_dir: Path) -> tuple[Executor, ModelInfo]:
 @pytest.fixture
 def journaled_engine(
     tiny_executor: tuple[Executor, ModelInfo], tiny_chat_model_dir: Path
-) -> Callable[[StateStore], LLMEngine]:
-    """Builds an engine on the tiny executor that commits every step to the given store."""
+) -> Callable[..., LLMEngine]:
+    """Builds an engine on the tiny executor that commits every step to the given store,
+    running ``num_decode_steps`` decode steps per executor call when it can."""
     ex, info = tiny_executor
     cache = CacheConfig(
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
         num_cpu_blocks=info.num_cpu_blocks,
     )
-    sched = SchedulerConfig(max_num_batched_tokens=8192, max_model_len=info.max_model_len)
     detokenizer = Detokenizer(load_tokenizer(tiny_chat_model_dir))
-    return lambda store: LLMEngine(ex, cache, sched, info.eos_token_id, detokenizer, Journal(store))
+
+    def build(store: StateStore, num_decode_steps: int = 4) -> LLMEngine:
+        sched = SchedulerConfig(
+            max_num_batched_tokens=8192,
+            max_model_len=info.max_model_len,
+            num_decode_steps=num_decode_steps,
+        )
+        return LLMEngine(ex, cache, sched, info.eos_token_id, detokenizer, Journal(store))
+
+    return build

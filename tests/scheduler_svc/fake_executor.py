@@ -29,7 +29,9 @@ class FakeExecutor:
         self.gpu = [[None] * bm.block_size for _ in range(bm.gpu.num_blocks)]
         self.cpu = [[None] * bm.block_size for _ in range(bm.cpu.num_blocks)]
 
-    def execute(self, out: SchedulerOutput) -> dict[int, SeqOutput]:
+    def execute(self, out: SchedulerOutput) -> list[dict[int, SeqOutput]]:
+        """The samples of each decode step by seq_id: one step, or as many in a row as
+        the scheduler mapped slots ahead for (each token fed back, as the executor does)."""
         self.steps += 1
         for gpu_block, cpu_block in out.blocks_to_swap_out:
             self.cpu[cpu_block] = list(self.gpu[gpu_block])
@@ -37,26 +39,44 @@ class FakeExecutor:
             self.gpu[gpu_block] = list(self.cpu[cpu_block])
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = list(self.gpu[src])
-        seqs = [
-            (s.group, seq)
+        bm = self.block_manager
+        runs = [
+            _Run(
+                s.group,
+                seq,
+                seq.get_token_ids(),
+                seq.num_computed_tokens,
+                bm.num_slots(seq) - seq.get_len() + 1,
+            )
             for s in out.scheduled
             for seq in s.group.get_seqs(SequenceStatus.RUNNING)
         ]
-        bs = self.block_manager.block_size
-        for _, seq in seqs:  # write every new token first, as each layer does
-            table, tokens = self.block_manager.get_block_table(seq), seq.get_token_ids()
-            for pos in range(seq.num_computed_tokens, seq.get_len()):
-                self.gpu[table[pos // bs]][pos % bs] = tokens[pos]
-        samples = {}
-        for group, seq in seqs:  # then attend: read the whole context back
-            table = self.block_manager.get_block_table(seq)
-            seen = [self.gpu[table[pos // bs]][pos % bs] for pos in range(seq.get_len())]
-            assert seen == seq.get_token_ids(), f"seq {seq.seq_id} reads a corrupted cache"
-            samples[seq.seq_id] = self._draw(group, seq)
-        return samples
+        steps = []
+        for index in range(max((run.num_steps for run in runs), default=1)):
+            going = [run for run in runs if run.num_steps > index]
+            for run in going:  # write every new token first, as each layer does
+                self._write(run)
+            samples = {}
+            for run in going:  # then attend: read the whole context back
+                table = bm.get_block_table(run.seq)
+                seen = [self._read(table, pos) for pos in range(len(run.tokens))]
+                assert seen == run.tokens, f"seq {run.seq.seq_id} reads a corrupted cache"
+                drawn = samples[run.seq.seq_id] = self._draw(run.group, run.seq, run.tokens)
+                run.computed = len(run.tokens)
+                run.tokens = [*run.tokens, drawn.token_ids[0]]
+            steps.append(samples)
+        return steps
 
-    def _draw(self, group: SequenceGroup, seq: Sequence) -> SeqOutput:
-        tokens = seq.get_token_ids()
+    def _write(self, run: _Run) -> None:
+        bs, table = self.block_manager.block_size, self.block_manager.get_block_table(run.seq)
+        for pos in range(run.computed, len(run.tokens)):
+            self.gpu[table[pos // bs]][pos % bs] = run.tokens[pos]
+
+    def _read(self, table: list[int], pos: int) -> int | None:
+        bs = self.block_manager.block_size
+        return self.gpu[table[pos // bs]][pos % bs]
+
+    def _draw(self, group: SequenceGroup, seq: Sequence, tokens: list[int]) -> SeqOutput:
         k = num_samples(group)
         base = 10 + (sum(tokens[-4:]) * 31 + len(tokens)) % 900
         token_ids = [base + i for i in range(k)]
@@ -64,6 +84,28 @@ class FakeExecutor:
             token_ids[0] = EOS
         logprobs = [-0.1 * (i + 1) - (base % 7) * 0.01 for i in range(k)]
         return SeqOutput(seq.seq_id, token_ids, logprobs)
+
+
+@dataclass
+class _Run:
+    """A sequence through the steps of one call: its tokens so far and those computed."""
+
+    group: SequenceGroup
+    seq: Sequence
+    tokens: list[int]
+    computed: int
+    num_steps: int
+
+
+def step(
+    scheduler: Scheduler, processor: OutputProcessor, executor: FakeExecutor
+) -> tuple[SchedulerOutput, list[SequenceGroup]]:
+    """Schedule, execute and apply one call; returns it and the groups that finished."""
+    out = scheduler.schedule()
+    finished = list(out.ignored)
+    for samples in executor.execute(out):
+        finished += processor.process(out, samples)
+    return out, finished
 
 
 def run_engine(
@@ -76,10 +118,8 @@ def run_engine(
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             return finished, outputs
-        out = scheduler.schedule()
+        out, done = step(scheduler, processor, executor)
         outputs.append(out)
-        finished.extend(out.ignored)
-        samples = executor.execute(out)
-        finished.extend(processor.process(out, samples))
+        finished += done
         scheduler.block_manager.check_integrity()
     raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -108,7 +108,7 @@ def used_blocks(url: str) -> float:
 
 @pytest.mark.parametrize("where", ["before_persist", "after_persist", "after_execute"])
 def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference, where):
-    proc, url = scheduler(executor, namespace, crash_at=f"{where}:6")
+    proc, url = scheduler(executor, namespace, crash_at=f"{where}:4")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     ids = [f"req-{where}-{i}" for i in range(len(PROMPTS))]
 
@@ -148,7 +148,7 @@ def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference,
 
 
 def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, reference):
-    proc, url = scheduler(executor, namespace, crash_at="after_execute:9")
+    proc, url = scheduler(executor, namespace, crash_at="after_execute:4")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     got, last_id, seen = "", None, []
     try:

@@ -18,13 +18,14 @@ from scheduler_svc.streams import RequestDelta
 
 
 class CountingExecutor:
-    """Draws token 7 + i for the i-th sample of every sequence; computes nothing."""
+    """Draws token 7 + i for the i-th sample of every sequence (token 7 at each of its
+    ``num_steps`` decode steps in a row); computes nothing."""
 
     def execute(self, step: ExecuteStep) -> StepResult:
-        outputs = [
-            SeqOutput(s.seq_id, [7 + i for i in range(s.num_samples)], [-0.1] * s.num_samples)
-            for s in step.seqs
-        ]
+        outputs = []
+        for s in step.seqs:
+            token_ids = [7 + i for i in range(s.num_samples)] * s.num_steps
+            outputs.append(SeqOutput(s.seq_id, token_ids, [-0.1] * len(token_ids)))
         return StepResult(step.step_id, outputs)
 
 
@@ -36,7 +37,8 @@ def make_engine(num_gpu_blocks: int = 12, prefix_caching: bool = False) -> LLMEn
         watermark=0.0,
         enable_prefix_caching=prefix_caching,
     )
-    sched = SchedulerConfig(max_model_len=256, max_num_batched_tokens=256)
+    # One token per step: the scenarios below count steps.
+    sched = SchedulerConfig(max_model_len=256, max_num_batched_tokens=256, num_decode_steps=1)
     return LLMEngine(CountingExecutor(), cache, sched, eos_token_id=None)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.engine import LLMEngine
-from scheduler_svc.state_store import InMemoryStateStore, StateStore, StepCommit
+from scheduler_svc.state_store import InMemoryStateStore, StepCommit
 from scheduler_svc.store_stream import request_record
 
 REQUEST, HELD_EVENT, MAX_TOKENS = "resumed", 4, 8
@@ -36,10 +36,10 @@ class GatedStore(InMemoryStateStore):
 
 
 def test_an_event_published_before_the_client_listened_is_not_lost(
-    journaled_engine: Callable[[StateStore], LLMEngine],
+    journaled_engine: Callable[..., LLMEngine],
 ) -> None:
     store = GatedStore()
-    engine = journaled_engine(store)
+    engine = journaled_engine(store, num_decode_steps=1)  # an event per token
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = [100, 200, 300, 400]
 

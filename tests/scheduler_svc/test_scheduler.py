@@ -10,7 +10,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.scheduler import RequestRejectedError, Scheduler
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-from tests.scheduler_svc.fake_executor import EOS, FakeExecutor, run_engine
+from tests.scheduler_svc.fake_executor import EOS, FakeExecutor, run_engine, step
 
 
 def make_scheduler(
@@ -108,8 +108,7 @@ def test_no_starvation_long_request_amid_a_stream_of_short_ones():
     steps, finished = 0, []
     while not long_group.is_finished():  # short requests keep arriving behind it
         add(scheduler, steps + 1, 4, 4)
-        out = scheduler.schedule()
-        finished += processor.process(out, executor.execute(out))
+        finished += step(scheduler, processor, executor)[1]
         steps += 1
     assert steps == 40 and long_group.num_preemptions == 0  # FCFS: the oldest is never evicted
     finished += run_engine(scheduler, executor)[0]
@@ -152,14 +151,13 @@ def test_stop_token_ends_a_sequence_and_frees_its_blocks():
 
 
 def test_abort_frees_blocks_wherever_the_request_is():
-    scheduler = make_scheduler(num_gpu_blocks=14)
+    scheduler = make_scheduler(num_gpu_blocks=14, num_decode_steps=1)  # r0 runs after 3 steps
     first = add(scheduler, 0, 8, 16, n=2)
     second = add(scheduler, 1, 8, 4)
     executor = FakeExecutor(scheduler.block_manager)
     processor = OutputProcessor(scheduler, EOS)
     for _ in range(3):
-        out = scheduler.schedule()
-        processor.process(out, executor.execute(out))
+        step(scheduler, processor, executor)
     assert scheduler.abort("r0") is first
     assert all(s.status == SequenceStatus.FINISHED_ABORTED for s in first.seqs)
     assert scheduler.abort("missing") is None
@@ -194,4 +192,60 @@ def test_beam_search_keeps_width_beams_and_returns_the_best():
     best = group.outputs()
     assert len(best) == 2 and best[0].cumulative_logprob >= best[1].cumulative_logprob
     assert sum(len(out.blocks_to_copy) for out in outputs) > 0
+    assert_pools_full(scheduler)
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [256, 40])  # roomy; tight: preemptions too
+def test_decode_steps_in_a_row_draw_what_single_steps_draw(num_gpu_blocks):
+    """The fake reads every context back through the tables at each step of a call, so a
+    slot mapped ahead into a shared or missing block fails here."""
+    results, calls = [], []
+    for num_decode_steps in (1, 4):
+        scheduler = make_scheduler(num_gpu_blocks=num_gpu_blocks, num_decode_steps=num_decode_steps)
+        groups = [
+            add(scheduler, i, 5 + i % 9, 12 + (i * 5) % 13, n=1 + i % 3, ignore_eos=False)
+            for i in range(20)
+        ]
+        executor = FakeExecutor(scheduler.block_manager, eos_after={"r3": 6, "r7": 9})
+        finished, _ = run_engine(scheduler, executor)
+        assert len(finished) == len(groups)
+        assert_pools_full(scheduler)
+        results.append([[s.output_token_ids for s in g.seqs] for g in groups])
+        calls.append(executor.steps)
+    assert results[0] == results[1]
+    assert calls[1] < calls[0]
+
+
+def test_decode_steps_run_in_a_row_only_for_decodes_with_nothing_waiting():
+    scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=4)
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
+    first = add(scheduler, 0, 6, 10)
+    step(scheduler, processor, executor)  # prefill: one token
+    assert len(first.seqs[0].output_token_ids) == 1
+    step(scheduler, processor, executor)  # decodes only, nothing waits: four in a row
+    assert len(first.seqs[0].output_token_ids) == 5
+    second = add(scheduler, 1, 6, 10)
+    out, _ = step(scheduler, processor, executor)  # the newcomer's prefill joins: one step
+    assert len(out.scheduled) == 2 and len(first.seqs[0].output_token_ids) == 6
+    step(scheduler, processor, executor)  # in a row again, each up to its max_tokens
+    assert [len(g.seqs[0].output_token_ids) for g in (first, second)] == [10, 5]
+    assert first.is_finished()
+    add(scheduler, 2, 6, 8, n=2, use_beam_search=True, temperature=0)
+    step(scheduler, processor, executor)
+    step(scheduler, processor, executor)  # beams are chosen between steps: one step
+    assert len(second.seqs[0].output_token_ids) == 7
+
+
+def test_decode_steps_run_in_a_row_only_when_the_pool_has_their_blocks():
+    scheduler = make_scheduler(num_gpu_blocks=8, num_decode_steps=8)  # blocks of 4 tokens
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
+    long, short = add(scheduler, 0, 11, 13), add(scheduler, 1, 15, 2)
+    step(scheduler, processor, executor)  # 3 + 4 blocks taken, 1 free
+    step(scheduler, processor, executor)  # 8 in a row would need 2 more for `long`
+    assert [len(g.seqs[0].output_token_ids) for g in (long, short)] == [2, 2]
+    assert short.is_finished()
+    step(scheduler, processor, executor)  # `short` gave its blocks back
+    assert len(long.seqs[0].output_token_ids) == 10
+    step(scheduler, processor, executor)
+    assert long.is_finished() and len(long.seqs[0].output_token_ids) == 13
     assert_pools_full(scheduler)
