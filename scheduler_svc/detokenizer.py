@@ -26,16 +26,27 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def update(self, seq: Sequence) -> str:
-        """Decode the sequence's unread tokens; mutates its text and offsets. Returns the delta."""
+        """Decode the sequence's unread tokens; mutates its text and offsets. Returns the delta.
+
+        The tokens of several decode steps are decoded together; when they end inside a
+        character, one at a time, so that the complete characters before it go out now.
+        """
+        end = len(seq.output_token_ids)
+        delta = self._read_to(seq, end)
+        if delta or end - seq.read_offset <= 1:
+            return delta
+        return "".join(self._read_to(seq, stop) for stop in range(seq.read_offset + 1, end + 1))
+
+    def _read_to(self, seq: Sequence, end: int) -> str:
         ids = seq.output_token_ids
         prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], True)
-        full = self.tokenizer.decode(ids[seq.prefix_offset :], True)
+        full = self.tokenizer.decode(ids[seq.prefix_offset : end], True)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix) :]
         seq.output_text += delta
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(ids)
+        seq.read_offset = end
         return delta
 
 

@@ -189,10 +189,13 @@ class LLMEngine:
         if step is not None and result is not None:
             self._count(out, step)
             outcome.groups = [s.group for s in out.scheduled]
+            stops = [g for g in outcome.groups if g.sampling_params.stop]
             for samples in _one_step_at_a_time(step, result):
                 outcome.finished += self.processor.process(out, samples)
-                if self.detokenizer is not None:
-                    self._detokenize(outcome)
+                if self.detokenizer is not None and stops:  # may end a run mid-way
+                    self._detokenize(outcome, stops)
+            if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
+                self._detokenize(outcome, outcome.groups)
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
         for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
@@ -264,10 +267,10 @@ class LLMEngine:
         self._step_ids.value = step.step_id + 1
         self._apply(out, step, result)
 
-    def _detokenize(self, outcome: StepOutcome) -> None:
+    def _detokenize(self, outcome: StepOutcome, groups: list[SequenceGroup]) -> None:
         """Extend each sequence's text; a completed stop string ends the sequence there."""
         stopped = False
-        for group in outcome.groups:
+        for group in groups:
             stop = group.sampling_params.stop
             for seq in group.seqs:
                 if seq.read_offset == len(seq.output_token_ids):

@@ -1,0 +1,32 @@
+"""Incremental detokenization with the default model's tokenizer: tokens fed one at a time
+or several at once (decode steps in a row) give the same text, and characters split over
+byte tokens never come out half."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedserve.model_files import load_tokenizer
+from scheduler_svc.detokenizer import Detokenizer
+from scheduler_svc.sequence import Sequence
+
+TEXT = "Café naïve — 東京の夜 🚀🌊 done.\n  Indented  spaces and ünïcödé at the end: 🎉"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+def test_text_is_the_same_however_many_tokens_arrive_at_once(smollm2_dir: Path, chunk: int):
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = tokenizer.encode(TEXT)
+    assert any(tokenizer.decode(ids[:i]).endswith("\ufffd") for i in range(len(ids)))
+    detokenizer, seq = Detokenizer(tokenizer), Sequence(0, [1])
+    complete = [i for i in range(len(ids) + 1) if not tokenizer.decode(ids[:i]).endswith("\ufffd")]
+    for start in range(0, len(ids), chunk):
+        for token_id in ids[start : start + chunk]:
+            seq.append_token(token_id, 0.0)
+        detokenizer.update(seq)
+        end = len(seq.output_token_ids)
+        assert seq.output_text == tokenizer.decode(ids[: seq.read_offset])
+        assert seq.read_offset == max(i for i in complete if i <= end)  # nothing held back
+    assert seq.output_text == tokenizer.decode(ids) == TEXT
