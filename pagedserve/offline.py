@@ -54,6 +54,7 @@ class OfflineLLM:
     ) -> None:
         from executor_svc.executor import Executor
         from pagedserve.model_files import load_tokenizer
+        from scheduler_svc.detokenizer import Detokenizer
         from scheduler_svc.engine import LLMEngine
 
         self.executor = Executor(executor_config)
@@ -73,7 +74,10 @@ class OfflineLLM:
             preemption_mode=preemption_mode,
             num_decode_steps=num_decode_steps,
         )
-        self.engine = LLMEngine(self.executor, cache_config, scheduler_config, info.eos_token_id)
+        detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.engine = LLMEngine(
+            self.executor, cache_config, scheduler_config, info.eos_token_id, detokenizer
+        )
 
     def close(self) -> None:
         """Stop the executor's tensor-parallel workers, if any (also done at exit)."""
@@ -107,15 +111,10 @@ class OfflineLLM:
                 bar.update(len(self.engine.step().finished))
         return [self._result(group) for group in groups]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
     def _result(self, group: SequenceGroup) -> RequestOutput:
         completions = [
             Completion(
-                text=self._decode(seq.output_token_ids),
+                text=seq.output_text,  # detokenized as it grew: cut at a stop string
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
                 finish_reason=seq.status.finish_reason,
