@@ -156,13 +156,12 @@ class BlockManager:
         num_slots = self._num_slots[seq.seq_id]
         target = seq.get_len() + lookahead
         copy = None
-        if num_slots < target and num_slots % self.block_size != 0:
+        if self._writes_shared_tail(seq, target):
             last = table[-1]
-            if self.gpu.ref_counts[last] > 1:
-                table[-1] = self.gpu.allocate()
-                self.gpu.free(last)
-                self.counters.cow_copies += 1
-                copy = (last, table[-1])
+            table[-1] = self.gpu.allocate()
+            self.gpu.free(last)
+            self.counters.cow_copies += 1
+            copy = (last, table[-1])
         while len(table) < self.blocks_for(target):
             table.append(self.gpu.allocate())
         self._num_slots[seq.seq_id] = max(num_slots, target)
@@ -171,10 +170,17 @@ class BlockManager:
 
     def blocks_to_append(self, seq: Sequence, lookahead: int) -> int:
         """New blocks ``append_slots(seq, lookahead)`` would take, a copy on write included."""
-        num_slots, target = self._num_slots[seq.seq_id], seq.get_len() + lookahead
-        table = self.block_tables[seq.seq_id]
-        shared_tail = num_slots % self.block_size != 0 and self.gpu.ref_counts[table[-1]] > 1
-        return max(0, self.blocks_for(target) - len(table)) + (num_slots < target and shared_tail)
+        target = seq.get_len() + lookahead
+        num_new = max(0, self.blocks_for(target) - len(self.block_tables[seq.seq_id]))
+        return num_new + self._writes_shared_tail(seq, target)
+
+    def _writes_shared_tail(self, seq: Sequence, target: int) -> bool:
+        """Whether mapping slots up to ``target`` writes into a partly filled last block
+        that another table shares (so it must be copied first)."""
+        num_slots = self._num_slots[seq.seq_id]
+        if num_slots >= target or num_slots % self.block_size == 0:
+            return False
+        return self.gpu.ref_counts[self.block_tables[seq.seq_id][-1]] > 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the child the parent's table; every block gains a reference."""

@@ -50,7 +50,6 @@ class EngineStats:
     num_steps: int = 0
     num_mixed_steps: int = 0  # steps holding prefill and decode sequences together
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
-    num_generation_tokens: int = 0
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
     execute_seconds: float = 0.0  # inside Execute calls: the steps, and gRPC for a remote one
 
@@ -295,7 +294,6 @@ class LLMEngine:
         stats.num_prompt_tokens += sum(
             len(s.new_token_ids) for s in step.seqs if len(s.new_token_ids) > 1
         )
-        stats.num_generation_tokens += sum(s.num_samples * s.num_steps for s in step.seqs)
         for _, mode in out.preempted:
             stats.preemptions[mode.value] = stats.preemptions.get(mode.value, 0) + 1
 
