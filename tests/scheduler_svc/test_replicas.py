@@ -82,9 +82,13 @@ def test_a_paused_leader_is_fenced_off_and_steps_down(replicas, reference):
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(complete, standby_url, p) for p in PROMPTS]
         wait_until(lambda: num_steps(address) >= 4, 60, "generation under way")
-        os.killpg(leader.pid, signal.SIGSTOP)
-        wait_until(lambda: health(standby_url)["leading"], 30, "the standby leads")
         with ExecutorClient(address) as client:
+            old_epoch = client.get_stats().epoch
+            os.killpg(leader.pid, signal.SIGSTOP)
+            wait_until(lambda: health(standby_url)["leading"], 30, "the standby leads")
+            # It leads from the moment it takes the lease; its epoch reaches the executor
+            # with its first step.
+            wait_until(lambda: client.get_stats().epoch > old_epoch, 30, "the new epoch steps")
             new_epoch = client.get_stats().epoch
         os.killpg(leader.pid, signal.SIGCONT)  # wakes up believing it leads
         wait_until(lambda: not health(leader_url)["leading"], 30, "the old leader steps down")
