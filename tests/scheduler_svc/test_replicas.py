@@ -43,7 +43,9 @@ def replicas(tiny_chat_model_dir: Path):
     """An executor and two scheduler replicas; yields (leader, standby, executor address)."""
     namespace = f"test-replicas-{uuid.uuid4().hex}"
     executor, address = start_executor(tiny_chat_model_dir, namespace, drain_s=3)
-    flags = ("--lease-ttl", str(LEASE_TTL))
+    # One decode step a call: the tests pause and kill the leader mid-generation, and at
+    # 8 steps a call the six requests could finish before the signal lands.
+    flags = ("--lease-ttl", str(LEASE_TTL), "--num-decode-steps", "1")
     first = start_scheduler(namespace, *flags)
     wait_until(lambda: health(first[1])["leading"], 30, "the first replica leads")
     second = start_scheduler(namespace, *flags)
