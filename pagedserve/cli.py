@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.settings import SchedulerConfig
+from pagedserve.settings import SERVING_DECODE_STEPS_QUIET_S, SchedulerConfig
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -229,6 +229,13 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also serve the gRPC Generate front door on this port",
     )
+    p.add_argument(
+        "--decode-steps-quiet",
+        type=float,
+        default=SERVING_DECODE_STEPS_QUIET_S,
+        help="seconds without a new request before --num-decode-steps apply: while "
+        "requests keep arriving each executor call is one step (shorter waits to start)",
+    )
     _add_engine_flags(p)
 
 
@@ -269,6 +276,7 @@ def _scheduler_options(args: argparse.Namespace, executors: list[str]):
         tokenizer=getattr(args, "tokenizer", None),
         max_num_seqs=args.max_num_seqs,
         num_decode_steps=args.num_decode_steps,
+        decode_steps_quiet_s=args.decode_steps_quiet,
         preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
         enable_prefix_caching=args.enable_prefix_caching,
         state_store=args.state_store,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
@@ -53,17 +55,25 @@ class Scheduler:
     only when nothing had to be preempted and nothing is waiting in swap.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
+        self.last_added = float("-inf")  # clock() when the newest group was queued
 
     def add_seq_group(self, group: SequenceGroup) -> None:
         """Queue a new request. Raises RequestRejectedError when it could never run."""
         self.check_fits(group.prompt_len, group.sampling_params)
         bisect.insort(self.waiting, group, key=_arrival)
+        self.last_added = self.clock()
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Stop a request wherever it is and free its blocks; returns it, or None."""
@@ -176,10 +186,14 @@ class Scheduler:
         for room: the executor then decodes them without coming back.
 
         Each sequence runs at most to its ``max_tokens``; all of them or none look ahead,
-        and only if the pool keeps its watermark free.
+        and only if the pool keeps its watermark free, and only once no group has been
+        queued for ``decode_steps_quiet_s``: a request arriving during a call waits for
+        all of its steps.
         """
         k = self.config.num_decode_steps
         if k == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:
+            return
+        if self.clock() - self.last_added < self.config.decode_steps_quiet_s:
             return
         seqs = []
         for scheduled in out.scheduled:

@@ -12,7 +12,13 @@ import uvicorn
 
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.registry import ExecutorRegistry
-from pagedserve.settings import ApiConfig, CacheConfig, PreemptionMode, SchedulerConfig
+from pagedserve.settings import (
+    SERVING_DECODE_STEPS_QUIET_S,
+    ApiConfig,
+    CacheConfig,
+    PreemptionMode,
+    SchedulerConfig,
+)
 from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, ModelCard, build_app
@@ -39,6 +45,7 @@ class SchedulerOptions:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     num_decode_steps: int = SchedulerConfig.num_decode_steps
+    decode_steps_quiet_s: float = SERVING_DECODE_STEPS_QUIET_S
     preemption_mode: PreemptionMode | None = None
     enable_prefix_caching: bool = False
     state_store: str | None = None  # redis://HOST:PORT/DB; default: in this process
@@ -90,6 +97,7 @@ class EngineFactory:
             max_model_len=info.max_model_len,
             preemption_mode=options.preemption_mode,
             num_decode_steps=options.num_decode_steps,
+            decode_steps_quiet_s=options.decode_steps_quiet_s,
         )
         store = self.store if address == self.root_lane else self.store.lane(address)
         log.info(

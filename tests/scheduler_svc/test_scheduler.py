@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
@@ -19,12 +22,13 @@ def make_scheduler(
     block_size: int = 4,
     mode: PreemptionMode | None = None,
     prefix_caching: bool = False,
+    clock: Callable[[], float] = time.monotonic,
     **config,
 ) -> Scheduler:
     bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, 0.0, prefix_caching)
     config.setdefault("max_model_len", 256)
     config.setdefault("max_num_batched_tokens", 256)
-    return Scheduler(SchedulerConfig(preemption_mode=mode, **config), bm)
+    return Scheduler(SchedulerConfig(preemption_mode=mode, **config), bm, clock)
 
 
 def add(
@@ -234,6 +238,22 @@ def test_decode_steps_run_in_a_row_only_for_decodes_with_nothing_waiting():
     step(scheduler, processor, executor)
     step(scheduler, processor, executor)  # beams are chosen between steps: one step
     assert len(second.seqs[0].output_token_ids) == 7
+
+
+def test_decode_steps_run_in_a_row_only_after_a_quiet_spell_without_arrivals():
+    now = [100.0]
+    scheduler = make_scheduler(
+        num_gpu_blocks=64, num_decode_steps=4, decode_steps_quiet_s=2.0, clock=lambda: now[0]
+    )
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
+    first = add(scheduler, 0, 6, 20)
+    for now[0], total in ((100.0, 1), (101.9, 2), (102.0, 6)):  # prefill; 1.9 s; 2 s quiet
+        step(scheduler, processor, executor)
+        assert len(first.seqs[0].output_token_ids) == total
+    second = add(scheduler, 1, 6, 20)  # arrives at 102: one step a call until 104
+    for now[0], totals in ((102.0, (7, 1)), (103.5, (8, 2)), (104.0, (12, 6))):
+        step(scheduler, processor, executor)
+        assert tuple(len(g.seqs[0].output_token_ids) for g in (first, second)) == totals
 
 
 def test_decode_steps_run_in_a_row_only_when_the_pool_has_their_blocks():
