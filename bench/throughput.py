@@ -89,10 +89,14 @@ def run_inprocess(trace: Trace, args: argparse.Namespace) -> Run:
 def run_services(trace: Trace, args: argparse.Namespace) -> Run:
     """`pagedserve serve` journaling every step to Redis, as deployed. The executor's own
     step time, read from it around the timed part, splits the wall time in two: its
-    steps, and what the services add between them (scheduler, gRPC, Redis, HTTP)."""
+    steps, and what the services add between them (scheduler, gRPC, Redis, HTTP).
+
+    Every request is sent at once, so, like the in-process engine, the server runs decode
+    steps in a row without waiting for a quiet spell after the last arrival."""
     with redis_url(args.redis) as store:
         flags = engine_flags(args) | {"state_store": store, "namespace": f"bench-{uuid.uuid4()}"}
         flags |= {"executor_port": free_port(), "num_decode_steps": args.num_decode_steps}
+        flags |= {"decode_steps_quiet": 0}
         with pagedserve_server(flags) as url:
             executor = ExecutorClient(f"127.0.0.1:{flags['executor_port']}")
             try:
