@@ -96,7 +96,7 @@ def run_services(trace: Trace, args: argparse.Namespace) -> Run:
     with redis_url(args.redis) as store:
         flags = engine_flags(args) | {"state_store": store, "namespace": f"bench-{uuid.uuid4()}"}
         flags |= {"executor_port": free_port(), "num_decode_steps": args.num_decode_steps}
-        flags |= {"decode_steps_quiet": 0}
+        flags["decode_steps_quiet"] = 0
         with pagedserve_server(flags) as url:
             executor = ExecutorClient(f"127.0.0.1:{flags['executor_port']}")
             try:
