@@ -72,6 +72,22 @@ def test_decode_sharp_softmax_matches_reference() -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("context_lens", [[4096], [130, 2001]], ids=str)
+def test_decode_of_a_small_batch_merges_the_parts_of_each_context(
+    context_lens: list[int], dtype: torch.dtype
+) -> None:
+    """Too few sequences for the threads: each context is read in parts whose softmax results
+    are merged; large logits give the parts different maxima."""
+    query, *rest = _decode_inputs(context_lens, 16, 64, 3, dtype)
+    args = (query * 4, *rest)
+    torch.testing.assert_close(
+        ops.paged_attention_decode(*args, 0.125),
+        reference.paged_attention_decode(*args, 0.125),
+        **TOL[dtype],
+    )
+
+
 def _prefill_inputs(
     seqs: list[tuple[int, int]], block_size: int, head_dim: int, group: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:

@@ -1,6 +1,7 @@
 // PagedAttention on CPU: each new token attends to its sequence's KV blocks, read in place.
 //
-// A work item is (sequence, run of kv heads, tile of new tokens). It serves every query head of
+// A work item is (sequence, run of kv heads, tile of new tokens, range of the context; the whole
+// context unless a small decode batch cuts it into parts). It serves every query head of
 // its kv heads: a block's K/V rows come from memory once (converted to fp32 once for bf16 / fp16)
 // and are reused from L1 by all the group's query rows (grouped-query attention). A block holds
 // [block_size, num_kv_heads, head_dim]: one kv head's rows are strided, and read alone they ran
@@ -15,6 +16,9 @@
 //     m_r'     = max(m_r, max_j s[r][j]);   acc_r, l_r *= e^(m_r - m_r')
 //     acc_r   += sum_j e^(s[r][j] - m_r') v_j;   l_r += sum_j e^(s[r][j] - m_r')
 //   out_r = acc_r / l_r
+//
+// Parts of one context are merged afterwards: out_r = sum_p e^(m_p - m) acc_p / sum_p e^(m_p - m)
+// l_p with m = max_p m_p.
 //
 // q_r . k_j runs eight keys at a time (one load of q per eight FMAs, one transposing reduction
 // per eight logits); the value pass keeps up to 64 floats of acc_r in registers.
@@ -46,12 +50,16 @@ constexpr int64_t kTileRows = 32;
 // a fork/join would cost more than it saves. At 1 << 20 a decode step of one sequence ran on one
 // thread up to about 1,800 positions. `bench/kernels.py --batch 1 --context 512 1024 2048`, two
 // threads, alternating the two bounds twice: 0.075-0.076 / 0.123-0.153 ms at 512 / 1,024
-// positions with 1 << 20, 0.045-0.050 / 0.086-0.087 ms with 1 << 17 (1.6-1.85x torch's SDPA;
-// its three kv heads still split unevenly over two threads); at 2,048 both fork.
+// positions with 1 << 20, 0.045-0.050 / 0.086-0.087 ms with 1 << 17 (1.6-1.85x torch's SDPA);
+// at 2,048 both fork.
 constexpr int64_t kMinWorkPerThread = 1 << 17;
 
-// Work items per thread below which decode splits sequences by kv head, to balance the load.
+// Work items per thread below which decode cuts sequences into parts of their context, to
+// balance the load.
 constexpr int64_t kMinItemsPerThread = 4;
+
+// Context positions a part reads at least: its unnormalised result costs a merge.
+constexpr int64_t kMinPartPositions = 64;
 
 struct WorkItem {
   int64_t seq;
@@ -60,9 +68,28 @@ struct WorkItem {
   int64_t first_token;  // row of the tile's first token in query and out
   int64_t num_tokens;   // new tokens in the tile
   int64_t first_pos;    // position of the tile's first token in its sequence
+  int64_t begin;        // context positions [begin, end) read; begin on a block boundary
+  int64_t end;
+  int64_t part;  // decode only: slot of its unnormalised result among the partials; -1: none
 
-  int64_t cost() const { return num_kv_heads * num_tokens * (first_pos + num_tokens); }
+  int64_t cost() const { return num_kv_heads * num_tokens * (end - begin); }
 };
+
+// A decode sequence whose context was cut into parts (partials slots [first_part, +num_parts)).
+struct Split {
+  int64_t seq;
+  int64_t first_part;
+  int64_t num_parts;
+};
+
+struct Plan {
+  std::vector<WorkItem> items;  // costliest first
+  std::vector<Split> splits;
+  int64_t num_parts = 0;
+};
+
+// Floats of one part's result: every head's accumulator, then the heads' max and sum.
+int64_t part_floats(const AttentionParams& p) { return p.num_heads * (p.head_dim + 2); }
 
 // One thread's fp32 working set for items of up to max_rows query rows.
 class Scratch {
@@ -93,10 +120,12 @@ class Scratch {
   std::vector<float> buffer_;
 };
 
-// Pulls the next block's K and V rows toward L2 a slice at a time, one slice before each row's
-// pass over the current block. Asked for all at once, the prefetches filled the miss queue and
-// stalled the core (a quarter of the kernel's samples sat on them) rather than overlapping with
-// the arithmetic; spread out, decode attention ran 1.4-2x faster here.
+// Pulls the next block's K and V rows toward L2 a slice at a time, one slice before each of a
+// row's two passes (keys, values) over the current block. Asked for all at once, the prefetches
+// filled the miss queue and stalled the core (a quarter of the kernel's samples sat on them)
+// rather than overlapping with the arithmetic; spread out, decode attention ran 1.4-2x faster
+// here; two slices a row instead of one took another 4-16 % off (64 x 512 and 256 x 1,024
+// tokens, one and two threads).
 template <typename T>
 class NextBlockPrefetch {
  public:
@@ -158,9 +187,8 @@ PAGEDSERVE_INLINE void accumulate_chunk(const float* p, Rows values, int64_t n, 
   vfloat a[C];
   for (int c = 0; c < C; ++c) a[c] = load(acc + d0 + c * kWidth);
   for (int64_t j = 0; j < n; ++j) {
-    const vfloat pj = splat(p[j]);
     const float* v = values[j] + d0;
-    for (int c = 0; c < C; ++c) a[c] += pj * load(v + c * kWidth);
+    for (int c = 0; c < C; ++c) a[c] += load(v + c * kWidth) * p[j];
   }
   for (int c = 0; c < C; ++c) store(acc + d0 + c * kWidth, a[c]);
 }
@@ -191,7 +219,8 @@ PAGEDSERVE_INLINE void update_softmax(float* logits, int64_t n, int64_t dim, flo
   float block_max = hmax(vmaxes);
   for (; j < n; ++j) block_max = block_max > logits[j] ? block_max : logits[j];
   const float new_max = std::max(max, block_max);
-  const float correction = std::exp(max - new_max);  // 0 on the first block (-inf)
+  // 0 on the first block (-inf); libm's expf took a tenth of the kernel, and the max rarely moves.
+  const float correction = new_max == max ? 1.0f : std::exp(max - new_max);
   vfloat vsum = {};
   for (j = 0; j + kWidth <= n; j += kWidth) {
     const vfloat e = exp_nonpositive(load(logits + j) - new_max);
@@ -211,7 +240,8 @@ PAGEDSERVE_INLINE void update_softmax(float* logits, int64_t n, int64_t dim, flo
 }
 
 template <typename T>
-PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, const Scratch& s) {
+PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, const Scratch& s,
+                              float* partials) {
   const int64_t dim = p.head_dim, block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads, rows = item.num_tokens * group;
   const int64_t kv_token_stride = p.num_kv_heads * dim;
@@ -229,20 +259,19 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
   std::fill(s.max, s.max + all_rows, -std::numeric_limits<float>::infinity());
   std::fill(s.sum, s.sum + all_rows, 0.0f);
 
-  const int64_t last_pos = item.first_pos + item.num_tokens - 1;
   const int32_t* table = p.block_tables + item.seq * p.max_num_blocks_per_seq;
   const int64_t run = item.num_kv_heads * dim;  // elements of the item's heads in one token row
-  for (int64_t start = 0; start <= last_pos; start += block_size) {
+  for (int64_t start = item.begin; start < item.end; start += block_size) {
     const int64_t block = table[start / block_size];
-    const int64_t len = std::min(block_size, last_pos + 1 - start);
+    const int64_t len = std::min(block_size, item.end - start);
     const int64_t block_offset = (block * block_size * p.num_kv_heads + item.first_kv_head) * dim;
     NextBlockPrefetch<T> prefetch;
-    if (start + block_size <= last_pos) {
+    if (start + block_size < item.end) {
       const int64_t next = table[start / block_size + 1];
       const int64_t next_offset = (next * block_size * p.num_kv_heads + item.first_kv_head) * dim;
       prefetch = NextBlockPrefetch<T>(static_cast<const T*>(p.key_cache) + next_offset,
                                       static_cast<const T*>(p.value_cache) + next_offset,
-                                      kv_token_stride, block_size, run, all_rows);
+                                      kv_token_stride, block_size, run, 2 * all_rows);
     }
     // Token t of the tile sees positions <= first_pos + t: rows before first_row see none here.
     const int64_t first_row = std::max<int64_t>(0, start - item.first_pos) * group;
@@ -259,11 +288,19 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
         prefetch.next_slice();
         dot_keys(s.q + row * dim, keys, seen, dim, s.logits);
         update_softmax(s.logits, seen, dim, s.max[row], s.sum[row], acc);
+        prefetch.next_slice();
         accumulate(s.logits, values, seen, dim, acc);
       }
     }
   }
 
+  if (item.part >= 0) {  // a decode item over every kv head: scratch row = query head
+    float* result = partials + item.part * part_floats(p);
+    std::copy(s.acc, s.acc + all_rows * dim, result);
+    std::copy(s.max, s.max + all_rows, result + all_rows * dim);
+    std::copy(s.sum, s.sum + all_rows, result + all_rows * (dim + 1));
+    return;
+  }
   for (int64_t h = 0; h < item.num_kv_heads; ++h) {
     const int64_t head_offset = (item.first_kv_head + h) * group * dim;
     T* out = static_cast<T*>(p.out) + item.first_token * p.num_heads * dim + head_offset;
@@ -277,22 +314,48 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
 
 // One clone set per dtype: the loader picks the widest instruction set the machine has.
 PAGEDSERVE_CPU_CLONES void attend_float(const AttentionParams& p, const WorkItem& item,
-                                        const Scratch& s) {
-  attend<float>(p, item, s);
+                                        const Scratch& s, float* partials) {
+  attend<float>(p, item, s, partials);
 }
 PAGEDSERVE_CPU_CLONES void attend_bfloat16(const AttentionParams& p, const WorkItem& item,
-                                           const Scratch& s) {
-  attend<c10::BFloat16>(p, item, s);
+                                           const Scratch& s, float* partials) {
+  attend<c10::BFloat16>(p, item, s, partials);
 }
 PAGEDSERVE_CPU_CLONES void attend_half(const AttentionParams& p, const WorkItem& item,
-                                       const Scratch& s) {
-  attend<c10::Half>(p, item, s);
+                                       const Scratch& s, float* partials) {
+  attend<c10::Half>(p, item, s, partials);
+}
+
+// out = the parts' accumulators at their common max over their sums at that max.
+template <typename T>
+void merge_parts(const AttentionParams& p, const Split& split, const float* partials) {
+  const int64_t dim = p.head_dim, heads = p.num_heads, size = part_floats(p);
+  const float* first = partials + split.first_part * size;
+  std::vector<float> acc(dim);
+  T* out = static_cast<T*>(p.out) + split.seq * heads * dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < split.num_parts; ++i) {
+      max = std::max(max, first[i * size + heads * dim + h]);
+    }
+    float sum = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t i = 0; i < split.num_parts; ++i) {
+      const float* part = first + i * size;
+      const float weight = std::exp(part[heads * dim + h] - max);
+      sum += weight * part[heads * (dim + 1) + h];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += weight * part[h * dim + d];
+    }
+    store_scaled(acc.data(), 1.0f / sum, out + h * dim, dim);
+  }
 }
 
 // Every sequence's new tokens cut into tiles of up to tile_tokens, for each run of heads_per_item
-// kv heads; costliest first. Raises on offsets and lengths that do not fit the block table.
-std::vector<WorkItem> plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item) {
-  std::vector<WorkItem> items;
+// kv heads; a decode sequence's context cut into up to max_parts parts of kMinPartPositions or
+// more. Raises on offsets and lengths that do not fit the block table.
+Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
+          int64_t max_parts) {
+  Plan plan;
   const int64_t capacity = p.max_num_blocks_per_seq * p.block_size;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t begin = p.query_start_loc ? p.query_start_loc[seq] : seq;
@@ -303,51 +366,88 @@ std::vector<WorkItem> plan(const AttentionParams& p, int64_t tile_tokens, int64_
                 capacity);
     // Checked here, not while attending: GCC treats a target_clones dispatcher as nothrow.
     const int32_t* table = p.block_tables + seq * p.max_num_blocks_per_seq;
-    for (int64_t b = 0; b * p.block_size < context_len; ++b) {
+    const int64_t num_blocks = (context_len + p.block_size - 1) / p.block_size;
+    for (int64_t b = 0; b < num_blocks; ++b) {
       TORCH_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "sequence ", seq, ": block id ",
                   table[b], " is not in the cache");
     }
+    const int64_t parts = std::clamp<int64_t>(context_len / kMinPartPositions, 1, max_parts);
+    const int64_t part_blocks = (num_blocks + parts - 1) / parts;
+    if (q_len == 1 && part_blocks < num_blocks) {
+      const int64_t part_len = part_blocks * p.block_size;
+      const Split split{seq, plan.num_parts, (context_len + part_len - 1) / part_len};
+      for (int64_t i = 0; i < split.num_parts; ++i) {
+        plan.items.push_back({seq, 0, p.num_kv_heads, begin, 1, context_len - 1, i * part_len,
+                              std::min(context_len, (i + 1) * part_len), plan.num_parts++});
+      }
+      plan.splits.push_back(split);
+      continue;
+    }
     for (int64_t t = 0; t < q_len; t += tile_tokens) {
       for (int64_t kv_head = 0; kv_head < p.num_kv_heads; kv_head += heads_per_item) {
-        items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
-                         begin + t, std::min(tile_tokens, q_len - t), context_len - q_len + t});
+        const int64_t tokens = std::min(tile_tokens, q_len - t);
+        const int64_t first_pos = context_len - q_len + t;
+        plan.items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
+                              begin + t, tokens, first_pos, 0, first_pos + tokens, -1});
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(),
+  std::stable_sort(plan.items.begin(), plan.items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost() > b.cost(); });
-  return items;
+  return plan;
 }
 
 }  // namespace
 
 void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
-  using AttendFn = void (*)(const AttentionParams&, const WorkItem&, const Scratch&);
+  using AttendFn = void (*)(const AttentionParams&, const WorkItem&, const Scratch&, float*);
+  using MergeFn = void (*)(const AttentionParams&, const Split&, const float*);
   AttendFn attend_item = nullptr;
+  MergeFn merge = nullptr;
   switch (dtype) {
-    case c10::ScalarType::Float: attend_item = attend_float; break;
-    case c10::ScalarType::BFloat16: attend_item = attend_bfloat16; break;
-    case c10::ScalarType::Half: attend_item = attend_half; break;
+    case c10::ScalarType::Float:
+      attend_item = attend_float;
+      merge = merge_parts<float>;
+      break;
+    case c10::ScalarType::BFloat16:
+      attend_item = attend_bfloat16;
+      merge = merge_parts<c10::BFloat16>;
+      break;
+    case c10::ScalarType::Half:
+      attend_item = attend_half;
+      merge = merge_parts<c10::Half>;
+      break;
     default: TORCH_CHECK(false, "paged attention supports float32, float16 and bfloat16");
   }
   const int64_t group = params.num_heads / params.num_kv_heads;
-  const int64_t tile_tokens = params.query_start_loc ? std::max<int64_t>(1, kTileRows / group) : 1;
-  // Whole blocks per decode item once there are enough sequences to keep every thread busy;
-  // prefill tiles reuse each row many times and stay one kv head each, as do small batches.
-  const bool whole_blocks = !params.query_start_loc &&
-                            params.num_seqs >= kMinItemsPerThread * at::get_num_threads();
-  const int64_t heads_per_item = whole_blocks ? params.num_kv_heads : 1;
-  const std::vector<WorkItem> items = plan(params, tile_tokens, heads_per_item);
+  const int64_t threads = at::get_num_threads();
+  const bool decode = !params.query_start_loc;
+  const int64_t tile_tokens = decode ? 1 : std::max<int64_t>(1, kTileRows / group);
+  // A decode item reads whole blocks, every kv head of its sequence. While the batch has too
+  // few sequences to keep every thread busy, their contexts are cut into parts, whose results
+  // are merged afterwards (one kv head's strided rows alone read at a third of the bandwidth).
+  // Prefill tiles reuse each row many times and stay one kv head each.
+  const int64_t heads_per_item = decode ? params.num_kv_heads : 1;
+  const int64_t wanted_items = kMinItemsPerThread * threads;
+  const int64_t max_parts = decode && params.num_seqs < wanted_items
+                                ? (wanted_items + params.num_seqs - 1) / params.num_seqs
+                                : 1;
+  const Plan work_plan = plan(params, tile_tokens, heads_per_item, max_parts);
+  const std::vector<WorkItem>& items = work_plan.items;
   const int64_t num_items = static_cast<int64_t>(items.size());
   int64_t work = 0;  // multiply-adds: q.k and p.v per (row, position)
   for (const WorkItem& item : items) work += 2 * item.cost() * group * params.head_dim;
-  const int64_t workers = std::min({static_cast<int64_t>(at::get_num_threads()), num_items,
-                                    std::max<int64_t>(1, work / kMinWorkPerThread)});
+  const int64_t workers =
+      std::min({threads, num_items, std::max<int64_t>(1, work / kMinWorkPerThread)});
+  std::vector<float> partials(work_plan.num_parts * part_floats(params));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const Scratch scratch(params, heads_per_item * tile_tokens * group);
-    for (int64_t i = next++; i < num_items; i = next++) attend_item(params, items[i], scratch);
+    for (int64_t i = next++; i < num_items; i = next++) {
+      attend_item(params, items[i], scratch, partials.data());
+    }
   });
+  for (const Split& split : work_plan.splits) merge(params, split, partials.data());
 }
 
 }  // namespace pagedserve::cpu
