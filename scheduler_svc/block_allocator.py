@@ -34,7 +34,17 @@ class BlockAllocator:
     or cached-and-idle (ref_count == 0 but its content hash is still registered, so a
     later prompt with the same prefix can take it back). Cached-idle blocks are evicted
     least recently freed first, only when the free list is empty.
+
+    A table grows through ``allocate(after=its last block)``, which takes the block right
+    after when it is free and otherwise starts a fresh run of ``RUN`` free blocks, so a
+    sequence's K/V lies in physically contiguous runs, which the memory system streams
+    faster than scattered blocks: CPU decode attention over 256 x 1,024 tokens read 36 GB/s
+    with every 16-token block elsewhere and 48 GB/s in runs of 8 (two threads). On the tables
+    the sharegpt trace builds, where lowest-first blocks already lay close together, decode
+    attention took 3-4 % less time (mean run 12.5 blocks instead of 1.7).
     """
+
+    RUN = 8
 
     def __init__(self, device: str, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 0:
@@ -43,7 +53,13 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts: list[int] = [0] * num_blocks
-        self._free: list[BlockId] = list(range(num_blocks))  # a heap: lowest id first
+        self._free: set[BlockId] = set(range(num_blocks))
+        # Heaps over the free blocks and the wholly free runs, lowest first; an entry whose
+        # block or run was taken since stays until it surfaces and is skipped there.
+        self._lowest: list[BlockId] = list(range(num_blocks))
+        num_runs = -(-num_blocks // self.RUN)
+        self._run_free: list[int] = [self._run_size(run) for run in range(num_runs)]
+        self._free_runs: list[int] = list(range(num_runs))
         self._evictable: OrderedDict[BlockId, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, BlockId] = {}
         self._block_to_hash: dict[BlockId, BlockHash] = {}
@@ -58,16 +74,24 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def allocate(self) -> BlockId:
-        """Take a block with ref_count 1, evicting the least recently freed cached block
-        when the free list is empty. Raises NoFreeBlocksError when neither exists."""
-        if self._free:
-            block_id = heapq.heappop(self._free)
+    def allocate(self, after: BlockId | None = None) -> BlockId:
+        """Take a block with ref_count 1: the one after ``after`` when free, else the first of
+        a wholly free run, else the lowest free one, else the least recently freed cached
+        block (evicted). Raises NoFreeBlocksError when none exists."""
+        if after is not None and after + 1 in self._free:
+            block_id = after + 1
+        elif self._free:
+            block_id = self._first_of_free_run()
+            if block_id is None:
+                block_id = self._lowest_free()
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._forget(block_id)
+            self.ref_counts[block_id] = 1
+            return block_id
         else:
             raise NoFreeBlocksError(f"no free {self.device} block among {self.num_blocks}")
+        self._take(block_id)
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -77,8 +101,7 @@ class BlockAllocator:
         Only for rebuilding the pools from persisted block tables after a restart.
         """
         if self.ref_counts[block_id] == 0 and block_id not in self._evictable:
-            self._free.remove(block_id)
-            heapq.heapify(self._free)
+            self._take(block_id)
             self.ref_counts[block_id] = 1
         else:
             self.incref(block_id)
@@ -100,7 +123,7 @@ class BlockAllocator:
             if block_id in self._block_to_hash:
                 self._evictable[block_id] = None
             else:
-                heapq.heappush(self._free, block_id)
+                self._give(block_id)
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> BlockId | None:
         """A cached block holding exactly these tokens after this chain, or None."""
@@ -123,7 +146,7 @@ class BlockAllocator:
     def forget_cached(self) -> None:
         """Unpublish every hash; idle cached blocks become plain free blocks."""
         for block_id in self._evictable:
-            heapq.heappush(self._free, block_id)
+            self._give(block_id)
         self._evictable.clear()
         self._hash_to_block.clear()
         self._block_to_hash.clear()
@@ -136,14 +159,49 @@ class BlockAllocator:
         """Blocks published under a content hash, held or idle (a copy, for readers)."""
         return list(self._block_to_hash)
 
+    def _run_size(self, run: int) -> int:
+        return min(self.RUN, self.num_blocks - run * self.RUN)
+
+    def _take(self, block_id: BlockId) -> None:
+        self._free.remove(block_id)
+        self._run_free[block_id // self.RUN] -= 1
+
+    def _give(self, block_id: BlockId) -> None:
+        self._free.add(block_id)
+        heapq.heappush(self._lowest, block_id)
+        run = block_id // self.RUN
+        self._run_free[run] += 1
+        if self._run_free[run] == self._run_size(run):
+            heapq.heappush(self._free_runs, run)
+        # Stale entries pile up for blocks taken by ``after``: rebuild before they dominate.
+        if len(self._lowest) > 2 * len(self._free) + self.RUN:
+            self._lowest = sorted(self._free)
+        if len(self._free_runs) > 2 * len(self._run_free):
+            self._free_runs = sorted(set(self._free_runs))
+
+    def _first_of_free_run(self) -> BlockId | None:
+        while self._free_runs:
+            run = self._free_runs[0]
+            if self._run_free[run] == self._run_size(run):
+                return run * self.RUN
+            heapq.heappop(self._free_runs)
+        return None
+
+    def _lowest_free(self) -> BlockId:
+        while self._lowest[0] not in self._free:
+            heapq.heappop(self._lowest)
+        return self._lowest[0]
+
     def _forget(self, block_id: BlockId) -> None:
         del self._hash_to_block[self._block_to_hash.pop(block_id)]
         del self._block_tokens[block_id]
 
     def check_integrity(self) -> None:
         """Every block is in exactly one state; the hash maps mirror each other."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "duplicate ids in the free list"
+        free = self._free
+        for run, count in enumerate(self._run_free):
+            in_run = range(run * self.RUN, run * self.RUN + self._run_size(run))
+            assert count == len(free.intersection(in_run)), f"run {run} miscounts its free blocks"
         for block_id, ref_count in enumerate(self.ref_counts):
             assert ref_count >= 0, f"negative ref_count on block {block_id}"
             states = (ref_count > 0) + (block_id in free) + (block_id in self._evictable)

@@ -129,7 +129,9 @@ class BlockManager:
         for block_id in hits:
             self.gpu.incref(block_id)
         num_new = self.blocks_for(len(token_ids)) - len(hits)
-        table = hits + [self.gpu.allocate() for _ in range(num_new)]
+        table = list(hits)
+        for _ in range(num_new):
+            table.append(self.gpu.allocate(after=table[-1] if table else None))
         for index, block_hash in enumerate(self._chain_hashes(token_ids)):
             self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
         num_hit_tokens = len(hits) * self.block_size
@@ -158,12 +160,12 @@ class BlockManager:
         copy = None
         if self._writes_shared_tail(seq, target):
             last = table[-1]
-            table[-1] = self.gpu.allocate()
+            table[-1] = self.gpu.allocate(after=table[-2] if len(table) > 1 else None)
             self.gpu.free(last)
             self.counters.cow_copies += 1
             copy = (last, table[-1])
         while len(table) < self.blocks_for(target):
-            table.append(self.gpu.allocate())
+            table.append(self.gpu.allocate(after=table[-1] if table else None))
         self._num_slots[seq.seq_id] = max(num_slots, target)
         self._register_full_blocks(seq, len(self._hashes[seq.seq_id]))
         return copy
@@ -272,7 +274,7 @@ class BlockManager:
                 if block_id in moved:
                     dst.incref(moved[block_id])
                 else:
-                    moved[block_id] = dst.allocate()
+                    moved[block_id] = dst.allocate(after=table[index - 1] if index else None)
                 src.free(block_id)
                 table[index] = moved[block_id]
         return list(moved.items())
