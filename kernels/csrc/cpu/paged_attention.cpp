@@ -239,9 +239,24 @@ PAGEDSERVE_INLINE void update_softmax(float* logits, int64_t n, int64_t dim, flo
   max = new_max;
 }
 
+// Block `index` of the item's sequence, the item's kv heads, `slices` calls to take it.
+template <typename T>
+PAGEDSERVE_INLINE NextBlockPrefetch<T> block_prefetch(const AttentionParams& p,
+                                                      const WorkItem& item, int64_t index,
+                                                      int64_t slices) {
+  const int64_t block = p.block_tables[item.seq * p.max_num_blocks_per_seq + index];
+  const int64_t offset = (block * p.block_size * p.num_kv_heads + item.first_kv_head) * p.head_dim;
+  return NextBlockPrefetch<T>(static_cast<const T*>(p.key_cache) + offset,
+                              static_cast<const T*>(p.value_cache) + offset,
+                              p.num_kv_heads * p.head_dim, p.block_size,
+                              item.num_kv_heads * p.head_dim, slices);
+}
+
+// `following`: the item a thread is likely to take next (its first block is prefetched during
+// this item's last), or nullptr.
 template <typename T>
 PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, const Scratch& s,
-                              float* partials) {
+                              float* partials, const WorkItem* following) {
   const int64_t dim = p.head_dim, block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads, rows = item.num_tokens * group;
   const int64_t kv_token_stride = p.num_kv_heads * dim;
@@ -260,18 +275,15 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
   std::fill(s.sum, s.sum + all_rows, 0.0f);
 
   const int32_t* table = p.block_tables + item.seq * p.max_num_blocks_per_seq;
-  const int64_t run = item.num_kv_heads * dim;  // elements of the item's heads in one token row
   for (int64_t start = item.begin; start < item.end; start += block_size) {
     const int64_t block = table[start / block_size];
     const int64_t len = std::min(block_size, item.end - start);
     const int64_t block_offset = (block * block_size * p.num_kv_heads + item.first_kv_head) * dim;
     NextBlockPrefetch<T> prefetch;
     if (start + block_size < item.end) {
-      const int64_t next = table[start / block_size + 1];
-      const int64_t next_offset = (next * block_size * p.num_kv_heads + item.first_kv_head) * dim;
-      prefetch = NextBlockPrefetch<T>(static_cast<const T*>(p.key_cache) + next_offset,
-                                      static_cast<const T*>(p.value_cache) + next_offset,
-                                      kv_token_stride, block_size, run, 2 * all_rows);
+      prefetch = block_prefetch<T>(p, item, start / block_size + 1, 2 * all_rows);
+    } else if (following != nullptr) {  // the item some thread takes next: its first block
+      prefetch = block_prefetch<T>(p, *following, following->begin / block_size, 2 * all_rows);
     }
     // Token t of the tile sees positions <= first_pos + t: rows before first_row see none here.
     const int64_t first_row = std::max<int64_t>(0, start - item.first_pos) * group;
@@ -314,16 +326,19 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
 
 // One clone set per dtype: the loader picks the widest instruction set the machine has.
 PAGEDSERVE_CPU_CLONES void attend_float(const AttentionParams& p, const WorkItem& item,
-                                        const Scratch& s, float* partials) {
-  attend<float>(p, item, s, partials);
+                                        const Scratch& s, float* partials,
+                                        const WorkItem* following) {
+  attend<float>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_bfloat16(const AttentionParams& p, const WorkItem& item,
-                                           const Scratch& s, float* partials) {
-  attend<c10::BFloat16>(p, item, s, partials);
+                                           const Scratch& s, float* partials,
+                                           const WorkItem* following) {
+  attend<c10::BFloat16>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_half(const AttentionParams& p, const WorkItem& item,
-                                       const Scratch& s, float* partials) {
-  attend<c10::Half>(p, item, s, partials);
+                                       const Scratch& s, float* partials,
+                                       const WorkItem* following) {
+  attend<c10::Half>(p, item, s, partials, following);
 }
 
 // out = the parts' accumulators at their common max over their sums at that max.
@@ -400,7 +415,8 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
 }  // namespace
 
 void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
-  using AttendFn = void (*)(const AttentionParams&, const WorkItem&, const Scratch&, float*);
+  using AttendFn =
+      void (*)(const AttentionParams&, const WorkItem&, const Scratch&, float*, const WorkItem*);
   using MergeFn = void (*)(const AttentionParams&, const Split&, const float*);
   AttendFn attend_item = nullptr;
   MergeFn merge = nullptr;
@@ -444,7 +460,9 @@ void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const Scratch scratch(params, heads_per_item * tile_tokens * group);
     for (int64_t i = next++; i < num_items; i = next++) {
-      attend_item(params, items[i], scratch, partials.data());
+      const int64_t following = next.load(std::memory_order_relaxed);
+      attend_item(params, items[i], scratch, partials.data(),
+                  following < num_items ? &items[following] : nullptr);
     }
   });
   for (const Split& split : work_plan.splits) merge(params, split, partials.data());
