@@ -40,7 +40,7 @@ def load_model(
         shard.add_all_reduces(model)
     if device.type == "cpu":
         if dtype == torch.float32:
-            model.pack_linears()
+            model.pack_linears(fuse_layers=shard is None)
         host_memory.pack_parameters(model)
     return model.eval()
 

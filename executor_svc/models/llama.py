@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from executor_svc.attention import AttentionMetadata, PagedAttention
 from kernels import layer_ops
+from kernels.ops import cpu_extension
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -141,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._fused_layers: list[list[torch.Tensor | None]] | None = None
 
     def forward(
         self,
@@ -150,24 +152,78 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self._embed(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary)
+        if self._fused_layers is not None:
+            hidden = self._decoder_layers_in_cpp(hidden, positions, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer(positions, hidden, kv_cache, meta, self.rotary)
         return self.norm(hidden)
+
+    def _decoder_layers_in_cpp(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layers' forward in one call to the CPU extension (see ``pack_linears``)."""
+        attn = self.layers[0].self_attn
+        return cpu_extension().decoder_layers(
+            hidden,
+            positions,
+            self._fused_layers,
+            kv_caches,
+            meta.slot_mapping,
+            meta.num_prefill_tokens,
+            meta.prefill_query_start_loc,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            meta.decode_context_lens,
+            meta.decode_block_tables,
+            self.rotary.cos,
+            self.rotary.sin,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.config.intermediate_size,
+            self.norm.eps,
+            attn.attn.scale,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return layer_ops.linear(hidden, weight, None, self.config.vocab_size).float()
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, fuse_layers: bool = True) -> None:
         """Repack every projection and the logits' weight for layer_ops' CPU kernel, once the
         checkpoint is in. A tied embedding is packed too (one copy of it, not two); lookups
-        then gather its columns from the panels."""
+        then gather its columns from the panels.
+
+        ``fuse_layers`` runs the decoder layers in one C++ call from then on: the same kernels
+        in the same order, without Python between them (a tenth of a decode step here). No
+        module hook runs inside that call, so tensor parallelism's all-reduces need False.
+        """
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self.tie_word_embeddings:
             weight = layer_ops.pack_linear_weight(self.embed_tokens.weight.data)
             self.embed_tokens.weight = nn.Parameter(weight, False)
+        if fuse_layers:
+            self._fused_layers = [
+                [
+                    layer.input_layernorm.weight,
+                    layer.self_attn.qkv_proj.weight,
+                    layer.self_attn.qkv_proj.bias,
+                    layer.self_attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    layer.mlp.gate_up_proj.weight,
+                    layer.mlp.gate_up_proj.bias,
+                    layer.mlp.down_proj.weight,
+                    layer.mlp.down_proj.bias,
+                ]
+                for layer in self.layers
+            ]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [.., hidden]
         weight = self.embed_tokens.weight

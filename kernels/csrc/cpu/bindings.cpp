@@ -11,8 +11,9 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <tuple>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "../tensor_checks.h"
 #include "cpu_kernels.h"
@@ -214,6 +215,84 @@ void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, at::Ten
   cpu::rotary_embedding(p);
 }
 
+// A decoder layer's parameters, in order: input norm, q/k/v projection and its bias, output
+// projection, post-attention norm, gate/up projection and its bias, down projection and its
+// bias (biases None when absent; projections packed by layer_ops.pack_linear_weight).
+using LayerWeights = std::vector<std::optional<at::Tensor>>;
+constexpr size_t kLayerWeights = 9;
+
+// executor_svc.attention.AttentionMetadata: the prefill tokens first, then one per decode.
+struct StepAttention {
+  at::Tensor slot_mapping;
+  int64_t num_prefill_tokens;
+  at::Tensor prefill_query_start_loc, prefill_context_lens, prefill_block_tables;
+  at::Tensor decode_context_lens, decode_block_tables;
+};
+
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const StepAttention& step, double scale) {
+  const int64_t split = step.num_prefill_tokens, num_tokens = query.size(0);
+  at::Tensor prefill, decode;
+  if (split > 0) {
+    prefill = paged_attention_op(query.narrow(0, 0, split), key_cache, value_cache,
+                                 step.prefill_block_tables, step.prefill_context_lens,
+                                 step.prefill_query_start_loc, scale);
+  }
+  if (split < num_tokens) {
+    decode = paged_attention_op(query.narrow(0, split, num_tokens - split), key_cache,
+                                value_cache, step.decode_block_tables, step.decode_context_lens,
+                                std::nullopt, scale);
+  }
+  if (!decode.defined()) return prefill;
+  return prefill.defined() ? at::cat({prefill, decode}) : decode;
+}
+
+// executor_svc.models.llama's decoder layers in one call: the same kernels in the same order,
+// without the Python around each (about a tenth of a decode step's time in py-spy samples).
+at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
+                             const std::vector<LayerWeights>& layers,
+                             std::vector<std::tuple<at::Tensor, at::Tensor>> kv_caches,
+                             const at::Tensor& slot_mapping, int64_t num_prefill_tokens,
+                             const at::Tensor& prefill_query_start_loc,
+                             const at::Tensor& prefill_context_lens,
+                             const at::Tensor& prefill_block_tables,
+                             const at::Tensor& decode_context_lens,
+                             const at::Tensor& decode_block_tables, const at::Tensor& cos,
+                             const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t intermediate_size, double eps,
+                             double scale) {
+  check_float_rows(hidden, 2, "hidden");
+  TORCH_CHECK(kv_caches.size() == layers.size(), "one (key, value) cache pair per layer");
+  const StepAttention step{slot_mapping,           num_prefill_tokens,  prefill_query_start_loc,
+                           prefill_context_lens,   prefill_block_tables, decode_context_lens,
+                           decode_block_tables};
+  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerWeights& w = layers[i];
+    TORCH_CHECK(w.size() == kLayerWeights && w[0] && w[1] && w[3] && w[4] && w[5] && w[7],
+                "layer ", i, " needs its ", kLayerWeights, " parameters (only biases None)");
+    auto& [key_cache, value_cache] = kv_caches[i];
+    at::Tensor qkv = linear_op(rms_norm_op(hidden, *w[0], eps), *w[1], w[2],
+                               q_size + 2 * kv_size, 0);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+    at::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+    rotary_embedding_op(positions, q, k, cos, sin);
+    reshape_and_cache_op(k, v, key_cache, value_cache, slot_mapping);
+    at::Tensor attn = attend(q, key_cache, value_cache, step, scale);
+    at::Tensor out = linear_op(attn.view({num_tokens, q_size}), *w[3], std::nullopt,
+                               hidden_size, 0);
+    hidden = out.add_(hidden);  // the residual, into the fresh projection
+    at::Tensor gate_up = linear_op(rms_norm_op(hidden, *w[4], eps), *w[5], w[6],
+                                   2 * intermediate_size, 0);
+    out = linear_op(silu_and_mul_op(gate_up), *w[7], w[8], hidden_size, 0);
+    hidden = out.add_(hidden);
+  }
+  return hidden;
+}
+
 }  // namespace
 }  // namespace pagedserve::cpu
 
@@ -235,6 +314,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedserve::cpu::rotary_embedding_op, py::arg("positions"),
         py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"),
         "rotates query and key in place");
+  m.def("decoder_layers", &pagedserve::cpu::decoder_layers_op, py::arg("hidden"),
+        py::arg("positions"), py::arg("layers"), py::arg("kv_caches"), py::arg("slot_mapping"),
+        py::arg("num_prefill_tokens"), py::arg("prefill_query_start_loc"),
+        py::arg("prefill_context_lens"), py::arg("prefill_block_tables"),
+        py::arg("decode_context_lens"), py::arg("decode_block_tables"), py::arg("cos"),
+        py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
+        "a Llama decoder's layers on fp32 CPU tensors with packed projections");
   m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"));
