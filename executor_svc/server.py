@@ -17,6 +17,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from executor_svc import host_memory
 from executor_svc.executor import Executor
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.registration import Registration, RegistrationOptions
@@ -273,6 +274,7 @@ def serve(
         tensor_parallel_size=config.tensor_parallel_size,
     )
     start = time.perf_counter()
+    host_memory.one_malloc_arena()  # before the step thread's first allocation
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
         executor = thread.submit(Executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))

@@ -108,6 +108,32 @@ def test_freed_memory_is_reused_without_page_faults():
     assert reused * 10 < mapped_afresh
 
 
+THREAD_ROUNDS = (
+    "import threading\n"
+    "rounds = []\n"
+    "thread = threading.Thread(target=lambda: rounds.extend((faults(), faults(), faults())))\n"
+    "thread.start()\n"
+    "thread.join()\n"
+    "print(*rounds)"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_worker_thread_reuses_freed_memory_only_in_the_main_arena():
+    """The executor service steps on a worker thread, whose own arena maps 64 MB blocks
+    afresh each time; one arena for every thread lets it reuse them like the main thread."""
+    own_arena = _run(
+        "from executor_svc import host_memory\nhost_memory.keep_freed_memory()\n" + THREAD_ROUNDS
+    )
+    one_arena = _run(
+        "from executor_svc import host_memory\n"
+        "assert host_memory.one_malloc_arena()\n"
+        "host_memory.keep_freed_memory()\n" + THREAD_ROUNDS
+    )
+    assert int(own_arena[2]) >= 10 * 16  # new pages every round
+    assert int(one_arena[2]) * 10 < int(own_arena[2])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_cpu_executor_reuses_freed_memory(tiny_model_dir: Path):
     out = _run(
