@@ -78,20 +78,19 @@ class BlockAllocator:
         """Take a block with ref_count 1: the one after ``after`` when free, else the first of
         a wholly free run, else the lowest free one, else the least recently freed cached
         block (evicted). Raises NoFreeBlocksError when none exists."""
-        if after is not None and after + 1 in self._free:
-            block_id = after + 1
-        elif self._free:
-            block_id = self._first_of_free_run()
-            if block_id is None:
-                block_id = self._lowest_free()
+        if self._free:
+            if after is not None and after + 1 in self._free:
+                block_id = after + 1
+            else:
+                block_id = self._first_of_free_run()
+                if block_id is None:
+                    block_id = self._lowest_free()
+            self._take(block_id)
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._forget(block_id)
-            self.ref_counts[block_id] = 1
-            return block_id
         else:
             raise NoFreeBlocksError(f"no free {self.device} block among {self.num_blocks}")
-        self._take(block_id)
         self.ref_counts[block_id] = 1
         return block_id
 

@@ -239,13 +239,19 @@ PAGEDSERVE_INLINE void update_softmax(float* logits, int64_t n, int64_t dim, flo
   max = new_max;
 }
 
+// Elements from a cache's start to block `index` of the item's sequence, at its first kv head.
+PAGEDSERVE_INLINE int64_t block_offset(const AttentionParams& p, const WorkItem& item,
+                                       int64_t index) {
+  const int64_t block = p.block_tables[item.seq * p.max_num_blocks_per_seq + index];
+  return (block * p.block_size * p.num_kv_heads + item.first_kv_head) * p.head_dim;
+}
+
 // Block `index` of the item's sequence, the item's kv heads, `slices` calls to take it.
 template <typename T>
 PAGEDSERVE_INLINE NextBlockPrefetch<T> block_prefetch(const AttentionParams& p,
                                                       const WorkItem& item, int64_t index,
                                                       int64_t slices) {
-  const int64_t block = p.block_tables[item.seq * p.max_num_blocks_per_seq + index];
-  const int64_t offset = (block * p.block_size * p.num_kv_heads + item.first_kv_head) * p.head_dim;
+  const int64_t offset = block_offset(p, item, index);
   return NextBlockPrefetch<T>(static_cast<const T*>(p.key_cache) + offset,
                               static_cast<const T*>(p.value_cache) + offset,
                               p.num_kv_heads * p.head_dim, p.block_size,
@@ -274,11 +280,9 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
   std::fill(s.max, s.max + all_rows, -std::numeric_limits<float>::infinity());
   std::fill(s.sum, s.sum + all_rows, 0.0f);
 
-  const int32_t* table = p.block_tables + item.seq * p.max_num_blocks_per_seq;
   for (int64_t start = item.begin; start < item.end; start += block_size) {
-    const int64_t block = table[start / block_size];
     const int64_t len = std::min(block_size, item.end - start);
-    const int64_t block_offset = (block * block_size * p.num_kv_heads + item.first_kv_head) * dim;
+    const int64_t first_row_offset = block_offset(p, item, start / block_size);
     NextBlockPrefetch<T> prefetch;
     if (start + block_size < item.end) {
       prefetch = block_prefetch<T>(p, item, start / block_size + 1, 2 * all_rows);
@@ -288,7 +292,7 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
     // Token t of the tile sees positions <= first_pos + t: rows before first_row see none here.
     const int64_t first_row = std::max<int64_t>(0, start - item.first_pos) * group;
     for (int64_t h = 0; h < item.num_kv_heads; ++h) {
-      const int64_t offset = block_offset + h * dim;
+      const int64_t offset = first_row_offset + h * dim;
       const Rows keys = as_float_rows(static_cast<const T*>(p.key_cache) + offset,
                                       kv_token_stride, len, dim, s.keys);
       const Rows values = as_float_rows(static_cast<const T*>(p.value_cache) + offset,
@@ -370,7 +374,7 @@ void merge_parts(const AttentionParams& p, const Split& split, const float* part
 // more. Raises on offsets and lengths that do not fit the block table.
 Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
           int64_t max_parts) {
-  Plan plan;
+  Plan out;
   const int64_t capacity = p.max_num_blocks_per_seq * p.block_size;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t begin = p.query_start_loc ? p.query_start_loc[seq] : seq;
@@ -390,26 +394,26 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
     const int64_t part_blocks = (num_blocks + parts - 1) / parts;
     if (q_len == 1 && part_blocks < num_blocks) {
       const int64_t part_len = part_blocks * p.block_size;
-      const Split split{seq, plan.num_parts, (context_len + part_len - 1) / part_len};
+      const Split split{seq, out.num_parts, (context_len + part_len - 1) / part_len};
       for (int64_t i = 0; i < split.num_parts; ++i) {
-        plan.items.push_back({seq, 0, p.num_kv_heads, begin, 1, context_len - 1, i * part_len,
-                              std::min(context_len, (i + 1) * part_len), plan.num_parts++});
+        out.items.push_back({seq, 0, p.num_kv_heads, begin, 1, context_len - 1, i * part_len,
+                             std::min(context_len, (i + 1) * part_len), out.num_parts++});
       }
-      plan.splits.push_back(split);
+      out.splits.push_back(split);
       continue;
     }
     for (int64_t t = 0; t < q_len; t += tile_tokens) {
       for (int64_t kv_head = 0; kv_head < p.num_kv_heads; kv_head += heads_per_item) {
         const int64_t tokens = std::min(tile_tokens, q_len - t);
         const int64_t first_pos = context_len - q_len + t;
-        plan.items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
-                              begin + t, tokens, first_pos, 0, first_pos + tokens, -1});
+        out.items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
+                             begin + t, tokens, first_pos, 0, first_pos + tokens, -1});
       }
     }
   }
-  std::stable_sort(plan.items.begin(), plan.items.end(),
+  std::stable_sort(out.items.begin(), out.items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost() > b.cost(); });
-  return plan;
+  return out;
 }
 
 }  // namespace

@@ -51,8 +51,10 @@ PAGEDSERVE_INLINE vfloat load(const float* p) {
 
 PAGEDSERVE_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Every lane x: one broadcast (`vfloat{} + x` would also add 0.0, which the compiler must keep
-// for the sign of -0.0).
+// Every lane x (`vfloat{} + x` would also add 0.0, which the compiler must keep for the sign
+// of -0.0). GCC 12 lowers this helper for the baseline target before it is inlined into a
+// clone, so it builds the vector lane by lane (six shuffles): hot loops multiply a vector by
+// the scalar instead, which is one broadcast.
 PAGEDSERVE_INLINE vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x}; }
 
 PAGEDSERVE_INLINE vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
