@@ -41,7 +41,7 @@ from pagedserve.rpc.convert import (
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.settings import ExecutorConfig
-from pagedserve.step import StepResult
+from pagedserve.step import ExecuteStep, StepResult
 
 log = structlog.get_logger("executor_svc.server")
 
@@ -52,8 +52,8 @@ T = TypeVar("T")
 
 class ExecutorService(pb_grpc.ExecutorServicer):
     """Serializes every pool operation through one lock and runs it on the thread that
-    loaded the model, so health checks answer while a step runs. Caller mistakes leave the
-    pools untouched.
+    loaded the model, so health checks answer while a step runs. A refused call changes
+    nothing: not the pools, the ledger or the newest epoch seen.
 
     One thread for all torch work: OpenMP gives each thread that starts parallel regions a
     team of its own, and once the teams hold more threads than there are cores, libgomp's
@@ -122,26 +122,37 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         return result_to_pb(await self._locked(context, self._execute, request))
 
     def _execute(self, request: pb.ExecuteRequest) -> StepResult:
+        step, fingerprint = self._checked_step(request)
+        if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
+            return self._replay(step)
+        return self._apply(step, fingerprint)
+
+    def _checked_step(self, request: pb.ExecuteRequest) -> tuple[ExecuteStep, bytes]:
+        """The request as a step fit for the pools, and its fingerprint; mutates nothing, so
+        a refused call leaves the epoch, the ledger and the pools as they were."""
         info = self._ready_info()
-        fingerprint = _fingerprint(request)
-        stored = self.ledger.check(request.step_id, request.epoch, fingerprint)
-        self.stats.epoch = self.ledger.epoch
-        if stored is not None:
-            self.stats.num_replayed_steps += 1
-            self.metrics.replayed_steps.inc()
-            log.info("executor.step_replayed", step_id=request.step_id, epoch=request.epoch)
-            return stored
         try:
             step = step_from_pb(request)
         except ValueError as e:  # SamplingParams refused a field
             raise InvalidArgument(str(e)) from None
         validate_step(step, info)
+        return step, _fingerprint(request)
+
+    def _replay(self, step: ExecuteStep) -> StepResult:
+        result = self.ledger.adopt(step.epoch)
+        self.stats.epoch = self.ledger.epoch
+        self.stats.num_replayed_steps += 1
+        self.metrics.replayed_steps.inc()
+        log.info("executor.step_replayed", step_id=step.step_id, epoch=step.epoch)
+        return result
+
+    def _apply(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
         start = time.perf_counter()
         result = self.executor.execute(step)
         elapsed = time.perf_counter() - start
         self.ledger.record(step.step_id, step.epoch, fingerprint, result)
         s = self.stats
-        s.num_steps += 1
+        s.epoch, s.num_steps = self.ledger.epoch, s.num_steps + 1
         s.last_step_id, s.last_step_seconds = step.step_id, elapsed
         s.total_step_seconds += elapsed
         s.num_blocks_swapped_out += len(step.blocks_to_swap_out)

@@ -29,27 +29,46 @@ def validate_pairs(pairs: BlockPairs, field: str, num_src: int, num_dst: int) ->
 
 def validate_step(step: ExecuteStep, info: ModelInfo) -> None:
     """Raise InvalidArgument, naming the field and the limit, for anything that would index
-    outside the pools, the vocabulary or the model's length; mutates nothing."""
+    outside the pools, the vocabulary or the model's length, or ask for more work than a
+    step over these pools can hold; mutates nothing."""
     gpu, cpu = info.num_gpu_blocks, info.num_cpu_blocks
     validate_pairs(step.blocks_to_swap_out, "blocks_to_swap_out", gpu, cpu)
     validate_pairs(step.blocks_to_swap_in, "blocks_to_swap_in", cpu, gpu)
     validate_pairs(step.blocks_to_copy, "blocks_to_copy", gpu, gpu)
     for index, seq in enumerate(step.seqs):
         _validate_seq(seq, f"seqs[{index}]", info)
+    # Two writes to one slot in a step would lose one, so no valid step writes more.
+    num_writes = sum(len(seq.new_token_ids) + seq.num_steps - 1 for seq in step.seqs)
+    num_slots = gpu * info.block_size
+    if num_writes > num_slots:
+        raise InvalidArgument(f"seqs: {num_writes} positions written > {num_slots} slots")
 
 
 def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
-    if seq.num_samples < 1:
-        raise InvalidArgument(f"{name}.num_samples: {seq.num_samples} < 1")
+    _validate_samples(seq, name, info)
+    _validate_positions(seq, name, info)
+    _check_range(seq.block_table, f"{name}.block_table", "block id", info.num_gpu_blocks)
+    for field in ("new_token_ids", "prompt_token_ids", "output_token_ids"):
+        _check_range(getattr(seq, field), f"{name}.{field}", "token id", info.vocab_size)
+    num_history = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+    if num_history > info.max_model_len:
+        raise InvalidArgument(
+            f"{name}: {num_history} prompt and output tokens > max_model_len {info.max_model_len}"
+        )
+
+
+def _validate_samples(seq: SeqStep, name: str, info: ModelInfo) -> None:
+    """A group runs only if each of its samples or beams can own two blocks (see
+    Scheduler.check_fits), so no valid step draws more samples, or beam candidates (two
+    per beam), than the pool has blocks."""
+    if not 1 <= seq.num_samples <= info.num_gpu_blocks:
+        raise InvalidArgument(
+            f"{name}.num_samples: {seq.num_samples} outside [1, num_gpu_blocks "
+            f"{info.num_gpu_blocks}]"
+        )
     if seq.sampling_params.use_beam_search and seq.num_samples > info.vocab_size:
         raise InvalidArgument(
             f"{name}.num_samples: {seq.num_samples} beams > vocab_size {info.vocab_size}"
-        )
-    if not seq.new_token_ids:
-        raise InvalidArgument(f"{name}.new_token_ids: empty, a step needs at least one new token")
-    if seq.num_computed_tokens < 0:
-        raise InvalidArgument(
-            f"{name}.num_computed_tokens: negative position {seq.num_computed_tokens}"
         )
     if seq.num_steps < 1:
         raise InvalidArgument(f"{name}.num_steps: {seq.num_steps} < 1")
@@ -57,20 +76,34 @@ def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
         raise InvalidArgument(
             f"{name}.num_steps: {seq.num_steps} steps in a row need one sample and no beams"
         )
+
+
+def _validate_positions(seq: SeqStep, name: str, info: ModelInfo) -> None:
+    """Every position the sequence writes lies below max_model_len and in a mapped block,
+    and the table maps no more blocks than a sequence of max_model_len tokens needs."""
+    if not seq.new_token_ids:
+        raise InvalidArgument(f"{name}.new_token_ids: empty, a step needs at least one new token")
+    if seq.num_computed_tokens < 0:
+        raise InvalidArgument(
+            f"{name}.num_computed_tokens: negative position {seq.num_computed_tokens}"
+        )
     last_len = seq.context_len + seq.num_steps - 1  # positions written by the last step
     if last_len > info.max_model_len:
         raise InvalidArgument(
             f"{name}: last position {last_len - 1} >= max_model_len {info.max_model_len}"
         )
-    slots = len(seq.block_table) * info.block_size
-    if slots < last_len:
+    num_blocks, block_size = len(seq.block_table), info.block_size
+    if num_blocks * block_size < last_len:
         raise InvalidArgument(
-            f"{name}.block_table: {len(seq.block_table)} blocks hold {slots} slots, "
+            f"{name}.block_table: {num_blocks} blocks hold {num_blocks * block_size} slots, "
             f"positions need {last_len}"
         )
-    _check_range(seq.block_table, f"{name}.block_table", "block id", info.num_gpu_blocks)
-    for field in ("new_token_ids", "prompt_token_ids", "output_token_ids"):
-        _check_range(getattr(seq, field), f"{name}.{field}", "token id", info.vocab_size)
+    max_blocks = -(-info.max_model_len // block_size)
+    if num_blocks > max_blocks:
+        raise InvalidArgument(
+            f"{name}.block_table: {num_blocks} blocks > {max_blocks} for max_model_len "
+            f"{info.max_model_len}"
+        )
 
 
 def _check_range(values: list[int], name: str, what: str, limit: int) -> None:
@@ -101,30 +134,26 @@ class StepLedger:
     3. ``e == e0`` and ``s <= s0``: refused -- out of order, or an id reused for
        different content.
     4. Otherwise the step is applied. A new epoch may restart its step ids anywhere.
+
+    Judging changes nothing: ``E`` rises only when a step is applied (``record``) or
+    answered as a replay (``adopt``), so a call refused for any reason fences no one.
     """
 
     def __init__(self) -> None:
         self.epoch = 0
         self._last: _Applied | None = None
 
-    @property
-    def last_step_id(self) -> int | None:
-        return None if self._last is None else self._last.step_id
+    def judge(self, step_id: int, epoch: int, fingerprint: bytes) -> StepResult | None:
+        """Return the stored result of a replay, or None for a step to apply; mutates nothing.
 
-    def check(self, step_id: int, epoch: int, fingerprint: bytes) -> StepResult | None:
-        """Return the stored result of a replay, or None for a step to apply.
-
-        Mutates the newest epoch seen (a newer epoch fences older ones from now on).
         Raises PreconditionFailed by rules 1 and 3.
         """
         if epoch < self.epoch:
             raise PreconditionFailed(f"epoch {epoch} is older than the newest seen, {self.epoch}")
-        self.epoch = epoch
         last = self._last
         if last is None:
             return None
         if step_id == last.step_id and fingerprint == last.fingerprint:
-            last.epoch = epoch  # the new scheduler adopts it: its order starts here
             return last.result
         if epoch == last.epoch and step_id <= last.step_id:
             reason = "reused with different content" if step_id == last.step_id else "out of order"
@@ -133,6 +162,16 @@ class StepLedger:
             )
         return None
 
+    def adopt(self, epoch: int) -> StepResult:
+        """Answer a replay judged in ``epoch``: the last applied step becomes that epoch's
+        last one, and ``epoch`` the newest seen."""
+        assert self._last is not None, "only a judged replay is adopted"
+        self._last.epoch = epoch
+        self.epoch = max(self.epoch, epoch)
+        return self._last.result
+
     def record(self, step_id: int, epoch: int, fingerprint: bytes, result: StepResult) -> None:
-        """Remember an applied step and its result (only the last one is kept)."""
+        """Remember an applied step and its result (only the last one is kept), and its
+        epoch as the newest seen."""
         self._last = _Applied(step_id, epoch, fingerprint, result)
+        self.epoch = max(self.epoch, epoch)

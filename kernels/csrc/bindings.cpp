@@ -185,14 +185,20 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
 
 }  // namespace pagedserve
 
+// Every op runs without the GIL: pybind11 converts its arguments to C++ values first and
+// its result after, and nothing in between touches a Python object. Other Python threads
+// (the executor's gRPC loop: health checks, GetStats, the registry heartbeat) then run
+// during a step.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CUDA kernels: paged decode attention and KV-cache block operations";
-  m.def("reshape_and_cache", &pagedserve::reshape_and_cache, py::arg("key"), py::arg("value"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
-  m.def("paged_attention_decode", &pagedserve::paged_attention_decode, py::arg("query"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+  m.def("reshape_and_cache", &pagedserve::reshape_and_cache, NoGil(), py::arg("key"),
+        py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+  m.def("paged_attention_decode", &pagedserve::paged_attention_decode, NoGil(),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("partition_size") = 0,
         "partition_size: 0 picks one; >= the table's capacity forces a single pass");
-  m.def("copy_blocks", &pagedserve::copy_blocks, py::arg("key_caches"), py::arg("value_caches"),
-        py::arg("block_mapping"));
+  m.def("copy_blocks", &pagedserve::copy_blocks, NoGil(), py::arg("key_caches"),
+        py::arg("value_caches"), py::arg("block_mapping"));
 }

@@ -10,13 +10,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from pagedserve.model_info import ModelInfo
+from pagedserve.rpc import GRPC_OPTIONS
+from pagedserve.rpc.convert import step_to_pb
+from pagedserve.rpc.v1 import executor_pb2 as pb
+from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep
@@ -26,6 +30,7 @@ from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable, S
 NUM_GPU_BLOCKS = 64
 SWAP_GIB = 0.01
 START_TIMEOUT_S = 60.0
+MAX_UINT64 = 2**64 - 1  # the widest epoch and step id on the wire
 
 
 @dataclasses.dataclass
@@ -46,19 +51,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir: Path, log_path: Path) -> Server:
+def start_executor(model_dir: Path, log_path: Path, num_gpu_blocks: int = NUM_GPU_BLOCKS) -> Server:
     """Start an executor process and wait until its health service answers; a port taken
     between choosing and binding it is retried."""
     for _ in range(3):
-        server = _try_start(model_dir, log_path, _free_port())
+        server = _try_start(model_dir, log_path, _free_port(), num_gpu_blocks)
         if server is not None:
             return server
     pytest.fail(f"no free port after 3 tries:\n{log_path.read_text()}")
 
 
-def _try_start(model_dir: Path, log_path: Path, port: int) -> Server | None:
+def _try_start(model_dir: Path, log_path: Path, port: int, num_gpu_blocks: int) -> Server | None:
     cmd = [sys.executable, "-m", "pagedserve.cli", "executor", "--port", str(port)]
-    cmd += ["--model", str(model_dir), "--num-gpu-blocks", str(NUM_GPU_BLOCKS)]
+    cmd += ["--model", str(model_dir), "--num-gpu-blocks", str(num_gpu_blocks)]
     cmd += ["--swap-space", str(SWAP_GIB), "--device", "cpu"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -74,11 +79,11 @@ def _try_start(model_dir: Path, log_path: Path, port: int) -> Server | None:
             return server
         except ExecutorUnavailable:
             time.sleep(0.1)
-    _stop(server)
+    stop_executor(server)
     pytest.fail(f"executor did not answer in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
 
 
-def _stop(server: Server) -> None:
+def stop_executor(server: Server) -> None:
     server.client.close()
     if server.proc.poll() is None:
         server.proc.kill()
@@ -88,13 +93,13 @@ def _stop(server: Server) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One executor for the module, pools allocated and SERVING; killed at the end."""
-    server = _start(tiny_model_dir, tmp_path_factory.mktemp("executor") / "executor.log")
+    server = start_executor(tiny_model_dir, tmp_path_factory.mktemp("executor") / "executor.log")
     try:
         server.client.init_cache()
         server.client.wait_ready(timeout=30)
         yield server
     finally:
-        _stop(server)
+        stop_executor(server)
 
 
 def _step(step_id: int, epoch: int, **seq_fields: object) -> ExecuteStep:
@@ -139,12 +144,12 @@ def _generate(executor: StepExecutor, info: ModelInfo, epoch: int) -> list:
 
 
 def test_health_init_cache_and_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
-    server = _start(tiny_model_dir, tmp_path / "executor.log")
+    server = start_executor(tiny_model_dir, tmp_path / "executor.log")
     try:
         client = server.client
         assert client.health() == "NOT_SERVING"
         with pytest.raises(StepRefused) as refused:
-            client.execute(_step(0, 0))
+            client.execute(_step(0, MAX_UINT64))
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         info = client.init_cache()
         client.wait_ready(timeout=10)
@@ -152,11 +157,12 @@ def test_health_init_cache_and_sigterm(tiny_model_dir: Path, tmp_path: Path) -> 
         assert (info.num_gpu_blocks, info.vocab_size, info.block_size) == (64, 512, 16)
         assert info.num_cpu_blocks > 0 and info.instance_id
         assert client.init_cache() == info  # a repeat keeps the pools
+        assert client.get_stats().epoch == 0  # the refused step fenced no one
         client.execute(_step(0, 0))
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=10) == 0, server.log_path.read_text()
     finally:
-        _stop(server)
+        stop_executor(server)
 
 
 def test_engine_over_grpc_matches_in_process(server: Server, tiny_model_dir: Path) -> None:
@@ -250,9 +256,121 @@ def test_invalid_steps_are_refused(server: Server, overrides: dict, field: str) 
         client.execute(bad)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert field in refused.value.message
-    assert client.get_stats() == dataclasses.replace(before, epoch=epoch)  # pools untouched
+    assert client.get_stats() == before  # epoch, ledger and pools untouched
     assert len(client.execute(_step(0, epoch, seq_id=epoch)).outputs[0].token_ids) == 4
     assert client.get_stats().num_steps == before.num_steps + 1  # applied, not a replay
+
+
+def _send(server: Server, request: pb.ExecuteRequest) -> grpc.StatusCode:
+    """Send a request as any client may, past the checks of our dataclasses; returns the
+    status it was refused with."""
+    channel = grpc.insecure_channel(server.client.address, options=GRPC_OPTIONS)
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.ExecutorStub(channel).Execute(request, timeout=30)
+    return refused.value.code()
+
+
+def _nan_top_p(request: pb.ExecuteRequest) -> None:
+    request.seqs[0].sampling_params.top_p = float("nan")  # SamplingParams refuses it
+
+
+@pytest.mark.parametrize("epoch", [2**63 - 1, MAX_UINT64])
+def test_a_refused_call_fences_no_one(server: Server, epoch: int) -> None:
+    client = server.client
+    legit = server.next_epoch()
+    client.execute(_step(1, legit))
+    before = client.get_stats()
+    bad_table = step_to_pb(_step(2, epoch, block_table=[-1]))
+    bad_params = step_to_pb(_step(2, epoch))
+    _nan_top_p(bad_params)
+    for request in (bad_table, bad_params):
+        assert _send(server, request) == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.get_stats() == before  # epoch, last step id and counters
+    assert len(client.execute(_step(2, legit)).outputs[0].token_ids) == 4
+    after = client.get_stats()
+    assert (after.epoch, after.last_step_id, after.num_steps) == (legit, 2, before.num_steps + 1)
+
+
+Corrupt = Callable[[pb.ExecuteRequest], None]
+
+
+def _set(**values: object) -> Corrupt:
+    """Set fields of the first sequence, or of its sampling parameters when named so."""
+
+    def corrupt(request: pb.ExecuteRequest) -> None:
+        seq = request.seqs[0]
+        for name, value in values.items():
+            target = seq if hasattr(pb.SequenceStep(), name) else seq.sampling_params
+            setattr(target, name, value)
+
+    return corrupt
+
+
+def _extend(field: str, values: list[int]) -> Corrupt:
+    return lambda request: getattr(request.seqs[0], field).extend(values)
+
+
+def _clear(field: str) -> Corrupt:
+    return lambda request: request.seqs[0].ClearField(field)
+
+
+def _seqs_beyond_the_pool(request: pb.ExecuteRequest) -> None:
+    """One more single-token sequence than the pool has slots."""
+    seq = request.seqs[0]
+    del seq.new_token_ids[1:]
+    request.seqs.extend([seq] * NUM_GPU_BLOCKS * 16)
+
+
+CORRUPTIONS: dict[str, Corrupt] = {
+    "num_samples_uint32_max": _set(num_samples=2**32 - 1),
+    "num_samples_past_pool": _set(num_samples=NUM_GPU_BLOCKS + 1),
+    "num_steps_uint32_max": _set(num_steps=2**32 - 1),
+    "num_computed_tokens_int32_max": _set(num_computed_tokens=2**31 - 1),
+    "new_token_id_int32_max": _extend("new_token_ids", [2**31 - 1]),
+    "no_new_tokens": _clear("new_token_ids"),
+    "no_block_table": _clear("block_table"),
+    "block_table_past_max_model_len": _extend("block_table", [0] * MAX_LEN),
+    "prompt_past_max_model_len": _extend("prompt_token_ids", [5] * (MAX_LEN + 1)),
+    "negative_output_token": _extend("output_token_ids", [-1]),
+    "copy_from_negative_block": lambda r: r.blocks_to_copy.add(src=-1, dst=0),
+    "swap_out_to_int32_max": lambda r: r.blocks_to_swap_out.add(src=0, dst=2**31 - 1),
+    "seqs_past_pool_slots": _seqs_beyond_the_pool,
+    "no_sampling_params": _clear("sampling_params"),
+    "top_p_nan": _nan_top_p,
+    "temperature_inf": _set(temperature=float("inf")),
+    "temperature_nan": _set(temperature=float("nan")),
+    "min_p_minus_inf": _set(min_p=float("-inf")),
+    "repetition_penalty_zero": _set(repetition_penalty=0.0),
+    "presence_penalty_nan": _set(presence_penalty=float("nan")),
+    "frequency_penalty_minus_inf": _set(frequency_penalty=float("-inf")),
+    "length_penalty_inf": _set(length_penalty=float("inf")),
+    "top_k_zero": _set(top_k=0),
+    "n_zero": _set(n=0),
+    "best_of_below_n": _set(best_of=0),
+    "max_tokens_zero": _set(max_tokens=0),
+    "beams_at_temperature_1": _set(use_beam_search=True),
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=list(CORRUPTIONS))
+def test_any_field_value_is_refused_as_invalid(server: Server, corrupt: Corrupt) -> None:
+    """Whatever a client puts in a request: refused as its mistake, nothing changed."""
+    client = server.client
+    request = step_to_pb(_step(0, 2**63 - 1, num_samples=1))
+    corrupt(request)
+    before = client.get_stats()
+    assert _send(server, request) == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.get_stats() == before
+
+
+def test_extreme_valid_values_are_applied(server: Server) -> None:
+    extreme = SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=-(2**63), logprobs=2**32 - 1)
+    seq_fields = dict(seq_id=-(2**63), sample_index=2**32 - 1, sampling_params=extreme)
+    step = _step(MAX_UINT64, server.next_epoch(), **seq_fields)
+    (output,) = server.client.execute(step).outputs
+    assert output.seq_id == -(2**63) and len(output.token_ids) == 4
+    assert len(output.top_logprobs[0]) == 512  # the whole vocabulary
+    assert server.client.get_stats().last_step_id == MAX_UINT64
 
 
 def test_copy_and_swap_blocks_count(server: Server) -> None:

@@ -296,25 +296,31 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
 }  // namespace
 }  // namespace pagedserve::cpu
 
+// Every op runs without the GIL: pybind11 converts its arguments to C++ values first and
+// its result after, and nothing in between touches a Python object. Other Python threads
+// (the executor's gRPC loop: health checks, GetStats, the registry heartbeat) then run
+// during a step.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CPU kernels: paged attention over the block pool and KV-cache writes";
-  m.def("paged_attention", &pagedserve::cpu::paged_attention_op, py::arg("query"),
+  m.def("paged_attention", &pagedserve::cpu::paged_attention_op, NoGil(), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("query_start_loc"), py::arg("scale"),
         "query_start_loc None: one query token per sequence (decode)");
-  m.def("linear", &pagedserve::cpu::linear_op, py::arg("x"), py::arg("weight"), py::arg("bias"),
-        py::arg("out_features"), py::arg("vector_floats") = 0,
+  m.def("linear", &pagedserve::cpu::linear_op, NoGil(), py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("out_features"), py::arg("vector_floats") = 0,
         "x W^T + b with W packed in panels (layer_ops.pack_linear_weight); vector_floats 8 "
         "forces 8-float vectors");
-  m.def("rms_norm", &pagedserve::cpu::rms_norm_op, py::arg("x"), py::arg("weight"),
+  m.def("rms_norm", &pagedserve::cpu::rms_norm_op, NoGil(), py::arg("x"), py::arg("weight"),
         py::arg("eps"));
-  m.def("silu_and_mul", &pagedserve::cpu::silu_and_mul_op, py::arg("gate_up"));
-  m.def("greedy", &pagedserve::cpu::greedy_op, py::arg("logits"),
+  m.def("silu_and_mul", &pagedserve::cpu::silu_and_mul_op, NoGil(), py::arg("gate_up"));
+  m.def("greedy", &pagedserve::cpu::greedy_op, NoGil(), py::arg("logits"),
         "(argmax, log_softmax at the argmax) of each row");
-  m.def("rotary_embedding", &pagedserve::cpu::rotary_embedding_op, py::arg("positions"),
-        py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"),
+  m.def("rotary_embedding", &pagedserve::cpu::rotary_embedding_op, NoGil(),
+        py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"),
         "rotates query and key in place");
-  m.def("decoder_layers", &pagedserve::cpu::decoder_layers_op, py::arg("hidden"),
+  m.def("decoder_layers", &pagedserve::cpu::decoder_layers_op, NoGil(), py::arg("hidden"),
         py::arg("positions"), py::arg("layers"), py::arg("kv_caches"), py::arg("slot_mapping"),
         py::arg("num_prefill_tokens"), py::arg("prefill_query_start_loc"),
         py::arg("prefill_context_lens"), py::arg("prefill_block_tables"),
@@ -322,7 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
         "a Llama decoder's layers on fp32 CPU tensors with packed projections");
-  m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, py::arg("key"),
+  m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, NoGil(), py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"));
 }
