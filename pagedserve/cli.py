@@ -169,6 +169,13 @@ def _add_executor(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
     p.add_argument(
+        "--store-budget",
+        type=float,
+        default=30.0,
+        help="seconds a stream waits out an unreachable --state-store before it ends with "
+        "an error event (the request goes on; resume it with Last-Event-ID)",
+    )
+    p.add_argument(
         "--advertise-address",
         default=os.environ.get("PAGEDSERVE_ADVERTISE_ADDRESS", ""),
         help="HOST:PORT schedulers dial (env PAGEDSERVE_ADVERTISE_ADDRESS); default: --host:--port",
@@ -223,6 +230,13 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
         help="redis://HOST:PORT/DB to survive restarts; default: in this process",
     )
     p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
+    p.add_argument(
+        "--store-budget",
+        type=float,
+        default=30.0,
+        help="seconds a stream waits out an unreachable --state-store before it ends with "
+        "an error event (the request goes on; resume it with Last-Event-ID)",
+    )
     p.add_argument(
         "--grpc-port",
         type=int,
@@ -283,6 +297,7 @@ def _scheduler_options(args: argparse.Namespace, executors: list[str]):
         namespace=args.namespace,
         grpc_port=args.grpc_port,
         lease_ttl=getattr(args, "lease_ttl", 3.0),
+        store_budget_s=args.store_budget,
         routing=getattr(args, "routing", "prefix"),
     )
 
@@ -296,8 +311,7 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
     configure_logging()
     api = ApiConfig(host=args.host, port=args.port, api_key=args.api_key)
-    asyncio.run(serve(_scheduler_options(args, args.executor or []), api))
-    return 0
+    return asyncio.run(serve(_scheduler_options(args, args.executor or []), api))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -11,6 +11,13 @@ INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+# Bounds that keep any value from overflowing the logits or a beam's score, set at OpenAI's
+# documented ranges where it documents them.
+GREEDY_BELOW = 1e-5  # dividing logits by less overflows them; vLLM draws greedily there too
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0  # divides positive logits
+MAX_LENGTH_PENALTY = 10.0  # an output length to this power stays far inside a float
+
 
 class InvalidSamplingParam(ValueError):
     """A field out of its range; ``param`` names it, as an API error reports it."""
@@ -20,13 +27,24 @@ class InvalidSamplingParam(ValueError):
         self.param = param
 
 
+_SYMMETRIC_RANGES = (
+    ("presence_penalty", MAX_PENALTY),
+    ("frequency_penalty", MAX_PENALTY),
+    ("length_penalty", MAX_LENGTH_PENALTY),
+)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """What a request asks of generation; validated here so no caller can queue nonsense."""
+    """What a request asks of generation; validated here so no caller can queue nonsense.
+
+    A temperature below GREEDY_BELOW becomes 0 (greedy): a sampled draw at such a
+    temperature is the greedy token anyway, and dividing logits by it overflows them.
+    """
 
     n: int = 1
     best_of: int | None = None
@@ -56,6 +74,8 @@ class SamplingParams:
             raise bad("best_of", f"must be in [n ({n}), {UINT32_MAX}], got {best_of}")
         if not (math.isfinite(t) and t >= 0):
             raise bad("temperature", f"must be finite and >= 0, got {t}")
+        if 0 < t < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not (k == -1 or 1 <= k <= INT32_MAX):
@@ -63,11 +83,12 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         r = self.repetition_penalty
-        if not (math.isfinite(r) and r > 0):
-            raise bad("repetition_penalty", f"must be finite and > 0, got {r}")
-        for name in ("presence_penalty", "frequency_penalty", "length_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
+        if not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            bounds = f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"
+            raise bad("repetition_penalty", f"must be in {bounds}, got {r}")
+        for name, bound in _SYMMETRIC_RANGES:
+            if not -bound <= getattr(self, name) <= bound:
+                raise bad(name, f"must be in [-{bound}, {bound}], got {getattr(self, name)}")
         if not 1 <= self.max_tokens <= UINT32_MAX:
             raise bad("max_tokens", f"must be in [1, {UINT32_MAX}], got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= UINT32_MAX:
@@ -77,7 +98,7 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {ids}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise bad("seed", f"must be a signed 64-bit integer, got {self.seed}")
-        if self.use_beam_search and t != 0:
+        if self.use_beam_search and self.temperature != 0:
             raise bad("use_beam_search", "requires temperature 0")
 
     @property

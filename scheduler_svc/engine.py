@@ -8,17 +8,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import structlog
+
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, PreemptionMode, SchedulerConfig
 from pagedserve.step import ExecuteStep, ExecutorRestarted, SeqOutput, SeqStep, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import Detokenizer, find_stop
+from scheduler_svc.executor_client import ExecutorError
 from scheduler_svc.journal import Journal, restore_groups
 from scheduler_svc.output_processor import OutputProcessor, num_samples
-from scheduler_svc.persistence import step_from_json, step_to_json
+from scheduler_svc.persistence import PendingStep, RestoredGroup, step_from_json, step_to_json
 from scheduler_svc.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.streams import RequestDelta, StreamTracker
+
+log = structlog.get_logger(__name__)
 
 
 class IdCounter:
@@ -52,6 +57,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
     execute_seconds: float = 0.0  # inside Execute calls: the steps, and gRPC for a remote one
+    num_quarantined: int = 0  # stored requests recovery had to drop
 
 
 @dataclass(slots=True)
@@ -108,15 +114,37 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> SequenceGroup:
-        """Queue a request. Raises RequestRejectedError when it can never run."""
+        """Queue a request. Raises RequestRejectedError when it can never run, ValueError
+        when it cannot be journaled."""
         seq = Sequence(next(self.seq_ids), list(prompt_token_ids))
         arrival = time.time() if arrival_time is None else arrival_time  # wall clock
         group = SequenceGroup(request_id, [seq], arrival, params)
+        if self.journal is not None:
+            self.journal.check_storable(group)
         self.scheduler.add_seq_group(group)
         if self.journal is not None:
             self.journal.touch(group)
             self.journal.consumed(request_id)
         return group
+
+    def drop(
+        self,
+        request_id: str,
+        prompt_len: int,
+        error: str,
+        num_events: int = 0,
+        source: str | None = None,
+    ) -> RequestDelta:
+        """End a request that could not enter this engine: its error event is journaled and
+        its submission (or its copy in the store lane ``source`` it moved from) goes."""
+        delta = self.streams.failed(request_id, prompt_len, error, num_events)
+        if self.journal is not None:
+            self.journal.consumed(request_id)
+            if source is not None:
+                self.journal.take_over(request_id, source)
+            self.journal.remove(request_id)
+            self.journal.defer([delta])
+        return delta
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         group = self.scheduler.abort(request_id)
@@ -139,12 +167,18 @@ class LLMEngine:
         self.flush()  # the last step's events, before another engine continues the stream
         return [(group, self.streams.forget(group)) for group in moved]
 
-    def attach(self, group: SequenceGroup, num_events: int) -> None:
-        """Continue a group evacuated from another executor (it waits to be recomputed)."""
+    def attach(self, group: SequenceGroup, num_events: int, source: str) -> None:
+        """Continue a group evacuated from another executor (it waits to be recomputed).
+
+        Args:
+            source: the store lane the group leaves; the commit that writes it here
+                deletes it there, so no store ever holds it twice.
+        """
         self.scheduler.add_seq_group(group)
         self.streams.restore(group, num_events)
         if self.journal is not None:
             self.journal.touch(group)
+            self.journal.take_over(group.request_id, source)
 
     def step(self) -> StepOutcome:
         """Run one step: schedule, persist, execute, append tokens, detokenize, persist."""
@@ -234,7 +268,9 @@ class LLMEngine:
         self.epoch = self.journal.epoch
         known = state.meta.get("executor_instance", self.executor_instance)
         kv_lost = known != self.executor_instance
-        restored = restore_groups(self.scheduler, state, kv_lost)
+        restored, broken = restore_groups(self.scheduler, state, kv_lost)
+        for request_id, error in broken.items():
+            self._quarantine(request_id, f"its stored state does not restore: {error}")
         seq_ids = [s.seq_id for r in restored for s in r.group.seqs]
         self.seq_ids.advance_to(
             max([int(state.meta.get("next_seq_id", 0)), *(i + 1 for i in seq_ids)])
@@ -243,10 +279,20 @@ class LLMEngine:
         for r in restored:
             events = self.journal.store.read_events(r.group.request_id)
             self.streams.restore(r.group, len(events))
-        if state.pending_step is None or kv_lost:
-            return
-        pending = step_from_json(state.pending_step)
+        if state.pending_step is not None and not kv_lost:
+            self._replay(step_from_json(state.pending_step), restored)
+
+    def _replay(self, pending: PendingStep, restored: list[RestoredGroup]) -> None:
+        """Send the step in flight again, rebuilt from the restored groups: the executor
+        answers a step it applied with its stored result, and applies one it never got.
+
+        A step that cannot be replayed (a group of it was quarantined, or the executor
+        refuses it) may have been applied in part: every group is recomputed instead.
+        """
         by_seq = {s.seq_id: (r.group, i, s) for r in restored for i, s in enumerate(r.group.seqs)}
+        if not all(seq_id in by_seq for seq_id in pending.seq_ids):
+            self._abandon_replay("a sequence of it could not be restored")
+            return
         seqs = [self._seq_step(*by_seq[seq_id]) for seq_id in pending.seq_ids]
         step = ExecuteStep(
             pending.step_id,
@@ -262,9 +308,27 @@ class LLMEngine:
             entry = scheduled.setdefault(id(group), ScheduledGroup(group, False))
             entry.is_prefill |= len(seq_step.new_token_ids) > 1
         out = SchedulerOutput(scheduled=list(scheduled.values()))
-        result = self.executor.execute(step)
+        try:
+            result = self.executor.execute(step)
+        except ExecutorError as e:  # refused, or failed inside the executor
+            if self.journal.store.current_epoch() > self.epoch:  # fenced: not ours to fix
+                raise
+            self._abandon_replay(repr(e))
+            return
         self._step_ids.value = step.step_id + 1
         self._apply(out, step, result)
+
+    def _abandon_replay(self, why: str) -> None:
+        log.error("the step in flight cannot be replayed; recomputing every group", why=why)
+        for group in self.scheduler.recompute_all():
+            self.journal.touch(group)
+
+    def _quarantine(self, request_id: str, why: str) -> None:
+        """Drop a stored request that recovery cannot restore, so that the others can be."""
+        log.error("request quarantined", request_id=request_id, why=why)
+        self.stats.num_quarantined += 1
+        events = self.journal.store.read_events(request_id)
+        self.drop(request_id, 0, f"the request could not be recovered: {why}", len(events))
 
     def _detokenize(self, outcome: StepOutcome, groups: list[SequenceGroup]) -> None:
         """Extend each sequence's text; a completed stop string ends the sequence there."""

@@ -53,13 +53,15 @@ _ERRORS: dict[grpc.StatusCode, type[ExecutorError]] = {
 class ExecutorClient:
     """Blocking client of one executor at ``address`` ("host:port"), one deadline per call.
 
-    It never retries on its own: only the engine knows whether a step may be resent.
+    It never retries on its own: only the engine knows whether a step may be resent. An
+    Execute's deadline is an hour, a bound on a wedged step rather than a liveness check:
+    an executor that goes away fails the call within two keepalive pings (GRPC_OPTIONS).
     """
 
     def __init__(
         self,
         address: str,
-        execute_timeout: float = 60.0,
+        execute_timeout: float = 3600.0,
         call_timeout: float = 10.0,
         init_timeout: float = 300.0,
     ) -> None:
@@ -108,8 +110,9 @@ class ExecutorClient:
         response = self._call(self._stub.SwapBlocks, request, self.call_timeout)
         return response.num_swapped_out, response.num_swapped_in
 
-    def get_stats(self) -> ExecutorStats:
-        response = self._call(self._stub.GetStats, pb.GetStatsRequest(), self.call_timeout)
+    def get_stats(self, timeout: float | None = None) -> ExecutorStats:
+        request = pb.GetStatsRequest()
+        response = self._call(self._stub.GetStats, request, timeout or self.call_timeout)
         return stats_from_pb(response)
 
     def health(self, timeout: float | None = None) -> str:

@@ -22,6 +22,9 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
+
+import structlog
 
 from pagedserve.settings import crash_point
 from scheduler_svc.persistence import (
@@ -34,10 +37,18 @@ from scheduler_svc.persistence import (
 )
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SequenceGroup, SequenceStatus
-from scheduler_svc.state_store import StateStore, StepCommit, StoredState
+from scheduler_svc.state_store import (
+    StateStore,
+    StepCommit,
+    StoredState,
+    StoreUnavailableError,
+)
 from scheduler_svc.streams import RequestDelta
 
 COMPACT_AFTER = 32  # deltas before a group is written whole again: bounds load and append cost
+RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0  # backoff of a commit resent to an unreachable store
+
+log = structlog.get_logger(__name__)
 
 
 class Journal:
@@ -50,10 +61,12 @@ class Journal:
         self._dirty: dict[str, SequenceGroup] = {}
         self._deleted: list[str] = []
         self._consumed: list[str] = []
+        self._taken: dict[str, str] = {}  # request id -> the store lane it moves from
         self._events: list[RequestDelta] = []  # deferred to the next commit
         self._marks: dict[str, StoredMark] = {}  # what the store holds of each group
         self._crash_at = crash_point()
         self._num_steps = 0
+        self.halt = threading.Event()  # set when the term ends: stop resending commits
 
     def begin(self, epoch: int | None = None) -> StoredState:
         """Read back what the last leader left, under ``epoch`` (the caller's lease) or a
@@ -64,12 +77,26 @@ class Journal:
         self._commit_ids = itertools.count(state.last_commit_id + 1)
         return state
 
+    def check_storable(self, group: SequenceGroup) -> None:
+        """Raise ValueError for a group whose state cannot be written (a commit refusing it
+        would stop every request of the engine, now and at each restart)."""
+        try:
+            group_to_json(group, _queue_of(group), {})
+        except Exception as e:
+            raise ValueError(f"the request cannot be journaled: {e}") from None
+
     def touch(self, group: SequenceGroup) -> None:
         self._dirty[group.request_id] = group
 
     def consumed(self, request_id: str) -> None:
         """A submitted request became a group: it leaves the submission queue."""
         self._consumed.append(request_id)
+
+    def take_over(self, request_id: str, source: str) -> None:
+        """A group moves here from the store lane ``source``: the next commit deletes it
+        there in the same transaction that writes it here."""
+        if source != self.store.lane_name:
+            self._taken[request_id] = source
 
     def remove(self, request_id: str) -> None:
         self._dirty.pop(request_id, None)
@@ -81,7 +108,7 @@ class Journal:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._dirty or self._deleted or self._consumed or self._events)
+        return bool(self._dirty or self._deleted or self._consumed or self._events or self._taken)
 
     def commit(
         self, scheduler: Scheduler, meta: dict[str, str], pending_step: str | None = None
@@ -112,15 +139,33 @@ class Journal:
             clear_pending_step=pending_step is None,
             events=[(e.request_id, e.to_json()) for e in self._events],
             new_requests_consumed=list(self._consumed),
+            taken_over=dict(self._taken),
         )
-        self.store.commit(commit)  # raises, killing the engine, when it may not have landed
+        self._send(commit)
         self._marks.update(marks)
         for rid in self._deleted:
             self._marks.pop(rid, None)
         self._dirty.clear()
         self._deleted.clear()
         self._consumed.clear()
+        self._taken.clear()
         self._events.clear()
+
+    def _send(self, commit: StepCommit) -> None:
+        """Commit, resending while the store is unreachable (a commit that landed twice is
+        ignored) until it answers or the term ends (``halt``): the step waits, nothing is
+        lost, and the engine goes on by itself when the store is back."""
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                self.store.commit(commit)
+                return
+            except StoreUnavailableError as e:
+                if delay == RETRY_MIN_S:
+                    log.warning("state store unreachable; resending the commit", error=str(e))
+                if self.halt.wait(delay):
+                    raise
+                delay = min(delay * 2, RETRY_MAX_S)
 
     def crash_if_asked(self, where: str) -> None:
         """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT)."""
@@ -148,29 +193,54 @@ def _tables_of(scheduler: Scheduler, group: SequenceGroup) -> dict[int, tuple[li
     }
 
 
-def restore_groups(scheduler: Scheduler, state: StoredState, kv_lost: bool) -> list[RestoredGroup]:
+def restore_groups(
+    scheduler: Scheduler, state: StoredState, kv_lost: bool
+) -> tuple[list[RestoredGroup], dict[str, str]]:
     """Put the persisted groups back in their queues and their tables in the pools.
 
     When the executor lost its pools (``kv_lost``), running and swapped groups go back
     to waiting and will be recomputed from their tokens.
+
+    Returns the restored groups, and the groups that would not restore (request id ->
+    why): quarantined, so that one bad record never stops the recovery of the others.
     """
-    restored = sorted(
-        (group_from_json(text) for text in state.groups.values()),
-        key=lambda r: r.group.arrival_time,
-    )
+    parsed, broken = [], {}
+    for request_id, text in state.groups.items():
+        try:
+            parsed.append(group_from_json(text))
+        except Exception as e:
+            broken[request_id] = repr(e)
+    restored = []
+    for r in sorted(parsed, key=lambda r: r.group.arrival_time):
+        try:
+            _restore_group(scheduler, r, kv_lost)
+        except Exception as e:
+            broken[r.group.request_id] = repr(e)
+            continue
+        restored.append(r)
+    scheduler.block_manager.check_integrity()
+    return restored, broken
+
+
+def _restore_group(scheduler: Scheduler, r: RestoredGroup, kv_lost: bool) -> None:
+    """Queue one restored group with its tables claimed in the pools, all or nothing."""
+    if r.queue not in ("waiting", "running", "swapped"):
+        raise ValueError(f"unknown queue {r.queue!r}")
     bm = scheduler.block_manager
-    for r in restored:
-        if kv_lost and r.queue != "waiting":
-            reset_for_recompute(r.group)
-            r.queue = "waiting"
-        else:
-            for seq in r.group.seqs:
-                if seq.seq_id in r.block_tables:
-                    table, num_slots = r.block_tables[seq.seq_id]
-                    bm.restore(seq, table, num_slots, on_cpu=r.queue == "swapped")
-        getattr(scheduler, r.queue).append(r.group)
-    bm.check_integrity()
-    return restored
+    if kv_lost and r.queue != "waiting":
+        reset_for_recompute(r.group)
+        r.queue = "waiting"
+    else:
+        pool = bm.cpu if r.queue == "swapped" else bm.gpu
+        claimed = [seq for seq in r.group.seqs if seq.seq_id in r.block_tables]
+        for seq in claimed:
+            table, _ = r.block_tables[seq.seq_id]
+            if seq.seq_id in bm.block_tables or not all(0 <= b < pool.num_blocks for b in table):
+                raise ValueError(f"sequence {seq.seq_id}: table {table} does not fit the pool")
+        for seq in claimed:
+            table, num_slots = r.block_tables[seq.seq_id]
+            bm.restore(seq, table, num_slots, on_cpu=r.queue == "swapped")
+    getattr(scheduler, r.queue).append(r.group)
 
 
 def reset_for_recompute(group: SequenceGroup) -> None:
@@ -182,8 +252,15 @@ def reset_for_recompute(group: SequenceGroup) -> None:
 
 
 def orphaned_groups(state: StoredState) -> list[SequenceGroup]:
-    """The groups of a lane whose executor is gone, reset to be recomputed elsewhere."""
-    groups = [group_from_json(text).group for text in state.groups.values()]
-    for group in groups:
+    """The groups of a lane whose executor is gone, reset to be recomputed elsewhere; one
+    whose stored state does not parse is logged and left behind."""
+    groups = []
+    for request_id, text in state.groups.items():
+        try:
+            group = group_from_json(text).group
+        except Exception as e:
+            log.error("request quarantined", request_id=request_id, why=repr(e))
+            continue
         reset_for_recompute(group)
+        groups.append(group)
     return sorted(groups, key=lambda g: g.arrival_time)

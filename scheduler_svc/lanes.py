@@ -11,12 +11,16 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+import structlog
+
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.engine import LLMEngine, StepOutcome
 from scheduler_svc.reconnect import ExecutorGone
 from scheduler_svc.scheduler import RequestRejectedError
 from scheduler_svc.sequence import SequenceGroup
 from scheduler_svc.streams import RequestDelta
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -25,6 +29,15 @@ class NewRequest:
     prompt: list[int]
     params: SamplingParams
     arrival: float
+
+
+@dataclass(slots=True)
+class Move:
+    """A group leaving one store lane to be recomputed on another executor's lane."""
+
+    group: SequenceGroup
+    num_events: int  # stream events it has emitted so far
+    source: str  # the store lane it leaves (its lane_name): its copy there goes at commit
 
 
 @dataclass(eq=False)
@@ -36,12 +49,17 @@ class Lane:
     draining: bool = False  # receives no new groups
     retiring: bool = False  # evacuate everything at the next chance, then stop
     incoming: list[NewRequest] = field(default_factory=list)
-    arriving: list[tuple[SequenceGroup, int]] = field(default_factory=list)  # moved groups
+    arriving: list[Move] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
-    moves_in_flight: int = 0  # groups routed here from another lane, not yet committed
+    landing: list[Move] = field(default_factory=list)  # taken from arriving, not committed
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+
+    def in_flight(self) -> list[Move]:
+        """Groups on their way here: queued, or taken into the engine and not committed."""
+        with self.lock:
+            return [*self.arriving, *self.landing]
 
     def has_work(self) -> bool:
         with self.lock:
@@ -63,29 +81,38 @@ class Lane:
             return False
         return True
 
-    def step(self) -> tuple[StepOutcome, list[tuple[SequenceGroup, int]]]:
+    def step(self) -> tuple[StepOutcome, list[Move]]:
         """Lane thread: take queued work, then one step. Returns the outcome and, when the
         lane retires, the groups to move to other executors."""
         engine = self.engine
         with self.lock:
             incoming, self.incoming = self.incoming, []
             arriving, self.arriving = self.arriving, []
+            self.landing = arriving
             aborts, self.aborts = self.aborts, []
+        ended: list[RequestDelta | None] = []
         for r in incoming:
-            engine.add_request(r.request_id, r.prompt, r.params, r.arrival)
-        for group, num_events in arriving:
-            engine.attach(group, num_events)
+            try:
+                engine.add_request(r.request_id, r.prompt, r.params, r.arrival)
+            except Exception as e:  # this request's alone: the others go on
+                ended.append(self._drop(r.request_id, len(r.prompt), e))
+        for move in arriving:
+            try:
+                engine.attach(move.group, move.num_events, move.source)
+            except Exception as e:
+                ended.append(self._drop(move.group.request_id, move.group.prompt_len, e, move))
         if arriving:
             engine.flush()  # the move is durable here before the old lane lets go
             with self.lock:
-                self.moves_in_flight -= len(arriving)
-        ended: list[RequestDelta | None] = []
+                self.landing = []
         aborted: list[SequenceGroup] = []
         for request_id in aborts:
             group = engine.abort(request_id)
             if group is not None:
                 aborted.append(group)
                 ended.append(engine.streams.delta(group, {}, finished=True))
+        if engine.journal is not None:
+            engine.journal.defer([d for d in ended if d is not None and d.error is None])
         outcome, moved = StepOutcome(), []
         if not self.retiring and engine.has_unfinished():
             try:
@@ -93,7 +120,16 @@ class Lane:
             except ExecutorGone:  # abandoned while it was away: the step in flight is void
                 self.retiring = True
         if self.retiring:
-            moved = engine.evacuate()
+            source = engine.journal.store.lane_name if engine.journal is not None else self.name
+            moved = [Move(group, events, source) for group, events in engine.evacuate()]
         outcome.deltas[:0] = [d for d in ended if d is not None]
         outcome.finished[:0] = aborted
         return outcome, moved
+
+    def _drop(
+        self, request_id: str, prompt_len: int, error: Exception, move: Move | None = None
+    ) -> RequestDelta:
+        log.warning("request dropped", request_id=request_id, executor=self.name, error=str(error))
+        if move is None:
+            return self.engine.drop(request_id, prompt_len, str(error))
+        return self.engine.drop(request_id, prompt_len, str(error), move.num_events, move.source)

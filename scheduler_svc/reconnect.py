@@ -7,9 +7,11 @@ import time
 import structlog
 
 from pagedserve.step import ExecuteStep, ExecutorRestarted, StepResult
-from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.executor_client import ExecutorClient, ExecutorError, ExecutorUnavailable
 
 log = structlog.get_logger(__name__)
+
+PROBE_TIMEOUT_S = 2.0  # a probe's deadline: GetStats answers without waiting for a step
 
 
 class ExecutorGone(RuntimeError):
@@ -30,6 +32,7 @@ class ReconnectingExecutor:
         self.instance_id = instance_id
         self.poll_s = poll_s
         self.down_since: float | None = None  # monotonic time of the first failure
+        self.calling = False  # an Execute is on the wire and has not failed yet
         self.abandoned = False
 
     def abandon(self) -> None:
@@ -40,6 +43,7 @@ class ReconnectingExecutor:
         while True:
             if self.abandoned:
                 raise ExecutorGone(self.client.address)
+            self.calling = True
             try:
                 result = self.client.execute(step)
                 self.down_since = None
@@ -50,7 +54,10 @@ class ReconnectingExecutor:
                     log.warning(
                         "executor unavailable, waiting", executor=self.client.address, error=str(e)
                     )
+                self.calling = False
                 self._reconnect()
+            finally:
+                self.calling = False
 
     def _reconnect(self) -> None:
         while True:
@@ -66,6 +73,18 @@ class ReconnectingExecutor:
             self.instance_id = info.instance_id
             self.down_since = None
             raise ExecutorRestarted(info.instance_id)
+
+    def answers(self) -> bool:
+        """Whether the executor is alive, on evidence: a step on the wire that has not
+        failed, or a GetStats that answers now (whatever its instance id: a restarted
+        process at this address is this lane's to recompute on)."""
+        if self.calling and self.down_since is None:
+            return True
+        try:
+            self.client.get_stats(timeout=PROBE_TIMEOUT_S)
+        except ExecutorError:
+            return False
+        return True
 
     def unavailable_for(self) -> float:
         """Seconds the executor has been away (0 while it answers)."""

@@ -48,12 +48,19 @@ from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from scheduler_svc.redis_notify import EventNotifier
-from scheduler_svc.state_store import StepCommit, StoredState, check_epoch
+from scheduler_svc.state_store import (
+    StepCommit,
+    StoredState,
+    StoreUnavailableError,
+    check_epoch,
+)
 from scheduler_svc.wakeups import OnEvents, wait_events
 
 # KEYS[1..6]: epoch, last_commit, meta, groups, pending_step, queue; then for the i-th id of
 # c.touched: KEYS[5 + 2i] its events list and KEYS[6 + 2i] its submitted record; then for the
-# j-th id of c.grouped: KEYS[6 + 2 * #c.touched + j] its deltas.
+# j-th id of c.grouped: KEYS[6 + 2 * #c.touched + j] its deltas; then for the k-th pair of
+# c.taken_over, with b = 6 + 2 * #c.touched + #c.grouped: KEYS[b + 2k - 1] the groups hash of
+# the lane it moves from and KEYS[b + 2k] its deltas there.
 # ARGV[1]: the commit as JSON; ARGV[2]: milliseconds a finished request's keys live (0: forever);
 # ARGV[3]: the events channel; ARGV[4]: c.events as JSON, published with their indices added
 # by concatenation: cjson.encode of the events would double the script's time.
@@ -85,6 +92,13 @@ for k, v in pairs(c.append_groups) do redis.call('APPEND', deltas[k], '\\n' .. v
 for _, rid in ipairs(c.delete_groups) do
   redis.call('HDEL', KEYS[4], rid)
   redis.call('DEL', deltas[rid])
+end
+local taken = 6 + 2 * #c.touched + #c.grouped
+for k, rid in ipairs(c.taken_over) do
+  if KEYS[taken + 2 * k - 1] ~= KEYS[4] then
+    redis.call('HDEL', KEYS[taken + 2 * k - 1], rid)
+    redis.call('DEL', KEYS[taken + 2 * k])
+  end
 end
 if c.pending_step then
   redis.call('SET', KEYS[5], c.pending_step)
@@ -145,6 +159,11 @@ return ids
 """
 
 
+# What a store call raises when the store does not answer: worth waiting out, unlike a
+# refusal.
+OUTAGE_ERRORS = (StoreUnavailableError, redis.ConnectionError, redis.TimeoutError)
+
+
 class RedisStateStore:
     """The StateStore shared by scheduler replicas and restarts; every mutation is one script.
 
@@ -192,8 +211,11 @@ class RedisStateStore:
         return ":".join((self.namespace, *parts))
 
     def _lane_key(self, *parts: str) -> str:
-        """Keys of one engine lane: last_commit, meta, groups, deltas, pending_step."""
-        return self._key("lane", self.lane_name, *parts) if self.lane_name else self._key(*parts)
+        """Keys of this engine lane: last_commit, meta, groups, deltas, pending_step."""
+        return self._lane_key_of(self.lane_name, *parts)
+
+    def _lane_key_of(self, lane_name: str, *parts: str) -> str:
+        return self._key("lane", lane_name, *parts) if lane_name else self._key(*parts)
 
     def lane(self, name: str) -> RedisStateStore:
         """A view sharing this store's connections; see the module docstring for its keys."""
@@ -276,6 +298,7 @@ class RedisStateStore:
             "clear_pending_step": commit.clear_pending_step,
             "events": commit.events,
             "consumed": commit.new_requests_consumed,
+            "taken_over": list(commit.taken_over),
             "release": list(dict.fromkeys(commit.delete_groups + commit.new_requests_consumed)),
         }
         groups = [*commit.upsert_groups, *commit.append_groups, *commit.delete_groups]
@@ -288,12 +311,16 @@ class RedisStateStore:
         for rid in touched:
             keys += [self._key("events", rid), self._key("request", rid)]
         keys += [self._lane_key("deltas", rid) for rid in grouped]
+        for rid, source in commit.taken_over.items():
+            keys += [self._lane_key_of(source, "groups"), self._lane_key_of(source, "deltas", rid)]
         args = [orjson.dumps(payload), self._finished_ttl_ms]
         args += [self._notifier.channel, orjson.dumps(commit.events)]
         try:
             return bool(self._commit(keys=keys, args=args))
         except ResponseError as err:
             _raise_refusal(err, commit.epoch)
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            raise StoreUnavailableError(f"commit {commit.commit_id}: {err}") from err
 
     def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
         start = max(after, 0)

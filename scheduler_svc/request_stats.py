@@ -113,6 +113,8 @@ class RequestTracker:
             live = self._live[request_id] = _Live(group, arrival)
         elif live.group is None and group is not None:
             live.group, live.arrival = group, min(group.arrival_time, now)
+        elif group is not None:  # restored by a new term: the old object is stale
+            live.group = group
         return live
 
 

@@ -52,6 +52,7 @@ class SchedulerOptions:
     namespace: str = "pagedserve"  # Redis key prefix of this deployment
     grpc_port: int | None = None  # the gRPC Generate front door; None: HTTP only
     lease_ttl: float = 3.0  # seconds a silent engine leader keeps the lease (with Redis)
+    store_budget_s: float = 30.0  # a stream waits out an unreachable store this long
     routing: str = "prefix"  # or "round-robin": how a new request picks its executor
 
 
@@ -157,8 +158,12 @@ def _first_registered(registry: ExecutorRegistry, timeout: float) -> str:
         time.sleep(0.5)
 
 
-async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
-    """Run until SIGINT or SIGTERM, then stop the HTTP server and the engine loop."""
+async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
+    """Run until SIGINT or SIGTERM, then stop the HTTP server and the engine loop.
+
+    Returns the exit status: 1 when an engine loop failed (the process ends so that its
+    supervisor restarts it, and the restart recovers from the store), else 0.
+    """
     # Lane steps, store and registry calls each hold a worker thread while they wait.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(64, "pagedserve"))
     store = open_store(options)
@@ -179,7 +184,9 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
     lease = lease_for(store, options.lease_ttl) if registry is not None else None
     metrics, dashboard = SchedulerMetrics(), Dashboard()
     observers = StepObservers([metrics, dashboard])
-    async_engine = AsyncEngine(fleet, observers, store, lease, template, options.routing)
+    async_engine = AsyncEngine(
+        fleet, observers, store, lease, template, options.routing, options.store_budget_s
+    )
     await async_engine.start()
     tokenizer, card = factory.tokenizer, factory.card
     app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render, dashboard)
@@ -192,9 +199,19 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> None:
     )
     server = uvicorn.Server(config)  # exits on SIGINT and SIGTERM
     log.info("serving", url=f"http://{api_config.host}:{api_config.port}")
+    watchdog = asyncio.create_task(_exit_when_dead(async_engine, server), name="watchdog")
     try:
         await server.serve()
     finally:
+        watchdog.cancel()
         if frontdoor is not None:
             await frontdoor.stop(grace=5)
         await async_engine.stop()
+    return 1 if async_engine.died.is_set() else 0
+
+
+async def _exit_when_dead(engine: AsyncEngine, server: uvicorn.Server) -> None:
+    """Stop serving once the engine loop died: streams already got their error events."""
+    await engine.died.wait()
+    log.error("engine loop died; exiting for a restart")
+    server.should_exit = True

@@ -11,8 +11,9 @@ Rules shared by both stores:
 * Retries: commits are ordered by `(epoch, commit_id)`. A commit at or below the last applied
   one in the same epoch is a retry: ignored, `commit()` returns False. A new leader may restart
   its ids at 1 or continue from `load().last_commit_id`.
-* Inside a commit the order is: meta, group upserts, group appends, group deletes, pending
-  step, events, consumed submissions. An append adds a newline and its text to the group's
+* Inside a commit the order is: meta, group upserts, group appends, group deletes, groups
+  taken over (deleted from the lane they moved from), pending step, events, consumed
+  submissions. An append adds a newline and its text to the group's
   value; appending to a group the store does not hold refuses the whole commit (ValueError).
 * A submitted record lives while its request is queued, has a group, or has events; the
   commit or `delete_events` that ends the last of these drops it (its id may then be reused).
@@ -37,6 +38,11 @@ class StaleEpochError(RuntimeError):
     """A commit from an epoch older than the store's: a fenced-off old leader."""
 
 
+class StoreUnavailableError(ConnectionError):
+    """The store did not answer a commit: it may or may not have landed, and resending it
+    is safe (a commit landed twice is ignored by its id)."""
+
+
 @dataclass(slots=True)
 class StepCommit:
     """Everything one engine step changes, applied by `StateStore.commit` all or nothing."""
@@ -51,6 +57,7 @@ class StepCommit:
     clear_pending_step: bool = False
     events: list[tuple[str, str]] = field(default_factory=list)  # (request_id, event JSON)
     new_requests_consumed: list[str] = field(default_factory=list)  # taken from the queue
+    taken_over: dict[str, str] = field(default_factory=dict)  # request_id -> source lane
 
     def __post_init__(self) -> None:
         if self.pending_step is not None and self.clear_pending_step:
@@ -76,6 +83,8 @@ class StoredState:
 class StateStore(Protocol):
     """The scheduler's source of truth; see the module docstring for the shared rules."""
 
+    lane_name: str  # "" for the store itself, else the name it was opened with by lane()
+
     def ping(self) -> bool:
         """True when the store answers (health checks)."""
         ...
@@ -91,7 +100,8 @@ class StateStore(Protocol):
         ...
 
     def commit(self, commit: StepCommit) -> bool:
-        """Apply one step atomically; False when ignored as a retry. Raises StaleEpochError."""
+        """Apply one step atomically; False when ignored as a retry. Raises StaleEpochError,
+        or StoreUnavailableError when the store cannot be reached."""
         ...
 
     def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
@@ -166,6 +176,7 @@ class InMemoryStateStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._root = self  # lane views share the epoch, requests and events with it
+        self.lane_name = ""
         self._lanes: dict[str, InMemoryStateStore] = {}
         self._epoch = 0
         self._last_commit = (0, 0)  # (epoch, commit_id) of the last applied commit
@@ -182,12 +193,15 @@ class InMemoryStateStore:
     def lane(self, name: str) -> InMemoryStateStore:
         """The view one executor's engine commits through: its own groups, meta, pending
         step and commit order; the epoch, submissions and events of the whole store."""
+        if not name:
+            raise ValueError("a lane needs a name")
         root = self._root
         with root._lock:
             if name not in root._lanes:
                 view = InMemoryStateStore()
                 view._lock, view._root = root._lock, root
                 view._events, view._records, view._queue = root._events, root._records, root._queue
+                view.lane_name = name
                 root._lanes[name] = view
             return root._lanes[name]
 
@@ -243,6 +257,10 @@ class InMemoryStateStore:
                 self._groups[rid] += "\n" + line
             for rid in commit.delete_groups:
                 self._groups.pop(rid, None)
+            for rid, source in commit.taken_over.items():
+                view = self._root if source == "" else self._root._lanes.get(source)
+                if view is not None and view is not self:
+                    view._groups.pop(rid, None)
             if commit.pending_step is not None:
                 self._pending_step = commit.pending_step
             elif commit.clear_pending_step:

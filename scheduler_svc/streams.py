@@ -40,6 +40,7 @@ class RequestDelta:
     event: int = 0
     outputs: list[SeqDelta] = field(default_factory=list)
     finished: bool = False
+    error: str | None = None  # why the request ended without a result (with finished)
 
     def to_json(self) -> str:
         # By field names: dataclasses.asdict deep-copies, and this runs for every request
@@ -86,6 +87,14 @@ class StreamTracker:
         for seq in group.seqs:
             self._sent.pop(seq.seq_id, None)
         return self._events.pop(group.request_id, 0)
+
+    def failed(
+        self, request_id: str, prompt_len: int, error: str, num_events: int = 0
+    ) -> RequestDelta:
+        """The last event of a request the engine had to drop, saying why; ``num_events``:
+        the events it had before it came here."""
+        event = max(self._events.pop(request_id, 0), num_events) + 1
+        return RequestDelta(request_id, prompt_len, event, finished=True, error=error)
 
     def delta(
         self, group: SequenceGroup, text_deltas: dict[int, str], finished: bool

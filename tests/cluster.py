@@ -20,18 +20,26 @@ REDIS = "redis://127.0.0.1:6379/0"
 MAX_TOKENS = 48
 
 
-def start_executor(model_dir: Path, namespace: str, drain_s: float = 30.0):
-    port = free_port()
+def start_executor(
+    model_dir: Path,
+    namespace: str,
+    drain_s: float = 3.0,
+    redis: str = REDIS,
+    port: int | None = None,
+    num_gpu_blocks: int = 96,
+):
+    """A registered executor; ``port`` restarts one at the address it had."""
+    port = port or free_port()
     args = ["executor", "--port", str(port), "--model", str(model_dir)]
-    args += ["--num-gpu-blocks", "96", "--swap-space", "0.05", "--state-store", REDIS]
-    args += ["--namespace", namespace, "--drain-timeout", str(drain_s)]
-    proc = start(args, f"executor-{port}.log")
+    args += ["--num-gpu-blocks", str(num_gpu_blocks), "--swap-space", "0.05"]
+    args += ["--state-store", redis, "--namespace", namespace, "--drain-timeout", str(drain_s)]
+    proc = start(args, f"executor-{port}-{time.monotonic_ns()}.log")
     return proc, f"127.0.0.1:{port}"
 
 
-def start_scheduler(namespace: str, *flags: str):
+def start_scheduler(namespace: str, *flags: str, redis: str = REDIS):
     port = free_port()
-    args = ["scheduler", "--port", str(port), "--state-store", REDIS, "--namespace", namespace]
+    args = ["scheduler", "--port", str(port), "--state-store", redis, "--namespace", namespace]
     proc = start([*args, *flags], f"scheduler-{port}.log")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
@@ -87,14 +95,18 @@ def stream_text(url: str, prompt: str) -> str:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk["error"]
+                text += chunk["choices"][0]["text"]
     return text
 
 
-def reference_texts(model_dir: Path, prompts: list[str]) -> dict[str, str]:
+def reference_texts(
+    model_dir: Path, prompts: list[str], max_tokens: int = MAX_TOKENS
+) -> dict[str, str]:
     """Greedy texts of an uninterrupted in-process run."""
     llm = OfflineLLM(ExecutorConfig(model=str(model_dir), num_gpu_blocks=256, swap_space=0.01))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     results = llm.generate(
         [Request(str(i), prompt=p, params=params) for i, p in enumerate(prompts)], progress=False
     )

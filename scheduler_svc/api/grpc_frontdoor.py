@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,10 +15,13 @@ from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1 import frontdoor_pb2_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
-from scheduler_svc.api.admission import check_executor, check_fits, tokenize_prompt
+from scheduler_svc.api.admission import check_executor, check_fits, owner_of, tokenize_prompt
+from scheduler_svc.api.errors import APIError, client_error
+from scheduler_svc.api.grpc_gate import Gate
 from scheduler_svc.api.http import ModelCard
-from scheduler_svc.api.protocol import APIError, parse_completion
-from scheduler_svc.async_engine import AsyncEngine, EngineDeadError, RequestInFlightError
+from scheduler_svc.api.protocol import parse_completion
+from scheduler_svc.api.wire import finite_logprob
+from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.streams import RequestDelta, SeqDelta
 
 log = structlog.get_logger(__name__)
@@ -38,7 +40,9 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "length_penalty",
 )
+_STATUS_CODES = {409: grpc.StatusCode.ALREADY_EXISTS, 503: grpc.StatusCode.UNAVAILABLE}
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
@@ -58,6 +62,8 @@ def request_to_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
         "stop": list(request.stop),
         "stop_token_ids": list(request.stop_token_ids),
     }
+    if request.request_id:
+        body["request_id"] = request.request_id
     kind = request.WhichOneof("prompt")
     if kind == "text":
         body["prompt"] = request.text
@@ -67,6 +73,13 @@ def request_to_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
         {name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)}
     )
     return body
+
+
+def _status_code(status: int) -> grpc.StatusCode:
+    """The gRPC status that says what an APIError's HTTP status says."""
+    if status in _STATUS_CODES:
+        return _STATUS_CODES[status]
+    return grpc.StatusCode.INTERNAL if status >= 500 else grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _message(e: APIError) -> str:
@@ -99,7 +112,7 @@ class _Reply:
                     pb.CompletionLogprob(
                         token_id=token_id, text=self.tokenizer.decode([token_id]), logprob=lp
                     )
-                    for token_id, lp in sorted(top.items(), key=lambda kv: -kv[1])
+                    for token_id, lp in sorted(_finite(top).items(), key=lambda kv: -kv[1])
                 ]
             )
             for top in seq.top_logprobs
@@ -108,7 +121,7 @@ class _Reply:
             index=seq.index,
             text=seq.text,
             token_ids=seq.token_ids,
-            logprobs=seq.logprobs,
+            logprobs=[finite_logprob(lp) for lp in seq.logprobs],
             top_logprobs=tops,
             finish_reason=_FINISH_REASONS.get(seq.finish_reason or "", 0),
         )
@@ -117,11 +130,16 @@ class _Reply:
         return pb.Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_completion_tokens)
 
 
+def _finite(top: dict[int, float]) -> dict[int, float]:
+    return {token_id: finite_logprob(lp) for token_id, lp in top.items()}
+
+
 class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
     """Serves FrontDoor under grpc.aio with the HTTP door's validation and limits.
 
     Bad input is refused with INVALID_ARGUMENT before the engine sees the request; an
     aborted request's stream ends with finish reason ABORT (the engine sends that event).
+    The API key and well-formed messages are checked before a method runs (grpc_gate.Gate).
     """
 
     def __init__(
@@ -133,60 +151,51 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
     ) -> None:
         self.engine, self.tokenizer, self.card = engine, tokenizer, card
         self.config = config or ApiConfig()
+        self.owner = owner_of(self.config.api_key)
 
-    def validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """Prompt token ids and sampling params of a request that can run; raise APIError
-        (503 while the executor is away past the budget, as HTTP does, else 400)."""
+    def validate(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """Request id, prompt token ids and sampling params of a request that can run; raise
+        APIError (503 while the executor is away past the budget, as HTTP does, else 400)."""
         check_executor(self.engine, self.config)
-        body = request_to_body(request, self.card.name)
-        parsed = parse_completion(body, self.config, chat=False)
-        if request.HasField("length_penalty"):
-            if not math.isfinite(request.length_penalty):
-                raise APIError(400, "'length_penalty' must be a finite number", "length_penalty")
-            parsed.params = dataclasses.replace(
-                parsed.params, length_penalty=request.length_penalty
-            )
+        parsed = parse_completion(request_to_body(request, self.card.name), self.config, False)
         prompt_ids = tokenize_prompt(self.tokenizer, self.card.vocab_size, parsed)
         check_fits(self.engine, len(prompt_ids), parsed.params)
-        return prompt_ids, parsed.params
+        return parsed.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, parsed.params
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one response per engine event; the last one carries the usage.
 
-        A client that cancels (or goes away) closes this generator, which aborts the request.
+        A refusal or a failure ends the call with its status: INVALID_ARGUMENT for bad
+        input, ALREADY_EXISTS for a request id in use or sent before with another body,
+        UNAVAILABLE while the engine or the executor is away, INTERNAL for our own faults
+        (logged). A client that cancels (or goes away) closes this generator, which aborts
+        the request.
         """
+        request_id = None
         try:
-            prompt_ids, params = self.validate(request)
-        except APIError as e:
-            code = (
-                grpc.StatusCode.UNAVAILABLE if e.status == 503 else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            await context.abort(code, _message(e))
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        reply = _Reply(request_id, len(prompt_ids), self.tokenizer)
-        deltas = self.engine.generate(request_id, prompt_ids, params)
-        try:
-            async for delta in deltas:
-                yield reply.response(delta)
-        except RequestInFlightError as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        finally:
-            await deltas.aclose()
+            request_id, prompt_ids, params = self.validate(request)
+            reply = _Reply(request_id, len(prompt_ids), self.tokenizer)
+            deltas = self.engine.generate(request_id, prompt_ids, params, owner=self.owner)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield reply.response(delta)
+        except Exception as e:
+            error = client_error(e, request_id)
+            await context.abort(_status_code(error.status), _message(error))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        """Abort the request in the engine; ``aborted`` says whether this door streamed it."""
-        return pb.AbortResponse(aborted=self.engine.abort(request.request_id))
+        """Abort a request this caller may see (admission.owner_of says who that is);
+        ``aborted`` says whether this door streamed it."""
+        return pb.AbortResponse(aborted=self.engine.abort(request.request_id, self.owner))
 
 
 async def start_frontdoor(servicer: FrontDoorServicer, host: str, port: int) -> grpc.aio.Server:
     """Serve ``servicer`` on host:port (GRPC_OPTIONS message limits); returns the started server."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[Gate(servicer.config.api_key)])
     frontdoor_pb2_grpc.add_FrontDoorServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)

@@ -4,23 +4,34 @@ and the live block map."""
 from __future__ import annotations
 
 import asyncio
-import json
-import time
+import re
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
-from scheduler_svc.api.admission import check_executor, check_fits, tokenize_prompt
+from scheduler_svc.api.admission import (
+    authorized,
+    check_executor,
+    check_fits,
+    owner_of,
+    tokenize_prompt,
+)
 from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
-from scheduler_svc.api.protocol import APIError, ParsedRequest, parse_completion, parse_json
-from scheduler_svc.async_engine import AsyncEngine, EngineDeadError, RequestInFlightError
+from scheduler_svc.api.errors import APIError, client_error
+from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
+from scheduler_svc.api.render import Choice, Renderer
+from scheduler_svc.api.wire import decode_body, read_body
+from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.streams import RequestDelta
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -30,26 +41,24 @@ class ModelCard:
     max_model_len: int
 
 
-@dataclass(slots=True)
-class Choice:
-    """One output accumulated from its deltas."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
 class Api:
     """Routes requests to the engine; every failure leaves as an OpenAI-style error."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, card: ModelCard, config: ApiConfig):
         self.engine, self.tokenizer, self.card, self.config = engine, tokenizer, card, config
+        self.owner = owner_of(config.api_key)
 
     async def handle(self, request: Request, chat: bool) -> Response:
+        """Answer one completion or chat request; any exception leaves as an APIError."""
+        try:
+            return await self._answer(request, chat)
+        except Exception as e:
+            raise client_error(e, getattr(request.state, "request_id", None)) from None
+
+    async def _answer(self, request: Request, chat: bool) -> Response:
         check_executor(self.engine, self.config)
-        parsed = parse_completion(parse_json(await request.body(), self.config), self.config, chat)
+        body = decode_body(await read_body(request, self.config.max_body_bytes))
+        parsed = parse_completion(body, self.config, chat)
         if parsed.model != self.card.name:
             raise APIError(
                 404,
@@ -59,187 +68,101 @@ class Api:
             )
         prompt_ids = tokenize_prompt(self.tokenizer, self.card.vocab_size, parsed)
         check_fits(self.engine, len(prompt_ids), parsed.params)
-        prefix = "chatcmpl" if chat else "cmpl"
-        request_id = (
-            request.headers.get("x-request-id")
-            or parsed.request_id
-            or f"{prefix}-{uuid.uuid4().hex}"
-        )
-        resume = _last_event(request.headers.get("last-event-id"))
-        after = resume[0] - 1 if resume else 0
-        deltas = self.engine.generate(request_id, prompt_ids, parsed.params, after)
-        render = Renderer(self, parsed, request_id, len(prompt_ids), chat)
+        request_id = _request_id(request, parsed, chat)
+        request.state.request_id = request_id
+        resume = _last_event(request.headers.get("last-event-id"), parsed.params)
+        after = resume[0] - 1 if resume else None  # the named event may have more outputs
+        deltas = self.engine.generate(request_id, prompt_ids, parsed.params, after, self.owner)
+        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, len(prompt_ids), chat)
+        headers = {"X-Request-Id": request_id}
         if parsed.stream:
-            return StreamingResponse(
-                render.sse(deltas, resume),
-                media_type="text/event-stream",
-                headers={"X-Request-Id": request_id},
-            )
+            first = await _first_unless_disconnected(request, deltas)
+            stream = render.sse(first, deltas, resume)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
-        return JSONResponse(render.final(choices), headers={"X-Request-Id": request_id})
+        return JSONResponse(render.final(choices), headers=headers)
 
 
-def _last_event(value: str | None) -> tuple[int, int] | None:
-    """``Last-Event-ID: EVENT.OUTPUT`` of a reconnecting stream, or None."""
+def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
+    """The client's id (the X-Request-Id header, else the body's request_id) or a new one."""
+    header = check_request_id(request.headers.get("x-request-id") or None, "X-Request-Id")
+    return header or parsed.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+_LAST_EVENT = re.compile(r"([0-9]{1,10})\.([0-9]{1,10})")
+
+
+def _last_event(value: str | None, params: SamplingParams) -> tuple[int, int] | None:
+    """``Last-Event-ID: EVENT.OUTPUT`` of a reconnecting stream, or None. A request has at
+    most max_tokens + 1 events (a token each, and the end) and n outputs: a resume past
+    them is refused here rather than waited on."""
     if not value:
         return None
-    event, _, output = value.partition(".")
-    if not (event.isdigit() and output.isdigit()):
-        raise APIError(400, f"Last-Event-ID must look like 12.0, got {value!r}")
-    return int(event), int(output)
+    match = _LAST_EVENT.fullmatch(value)
+    event, output = (int(match[1]), int(match[2])) if match else (0, 0)
+    if not (1 <= event <= params.max_tokens + 1 and output < params.n):
+        raise APIError(
+            400,
+            f"Last-Event-ID must be EVENT.OUTPUT with EVENT in [1, {params.max_tokens + 1}] "
+            f"and OUTPUT in [0, {params.n - 1}], got {value[:40]!r}",
+            param="Last-Event-ID",
+            code="event_out_of_range",
+        )
+    return event, output
+
+
+async def _first_unless_disconnected(
+    request: Request, deltas: AsyncIterator[RequestDelta]
+) -> RequestDelta | None:
+    """The first delta, awaited before the stream's 200 goes out: a refusal (a conflict,
+    a resume of an unknown request) still leaves with its own status."""
+
+    async def first() -> RequestDelta | None:
+        return await anext(deltas, None)
+
+    try:
+        return await _unless_disconnected(request, first())
+    except BaseException:
+        await deltas.aclose()
+        raise
 
 
 async def _collect_unless_disconnected(
     request: Request, deltas: AsyncIterator[RequestDelta], n: int
 ) -> list[Choice]:
-    """Accumulate every delta; a client that goes away aborts the request. The disconnect
-    is awaited rather than polled: a poll every half second per request was a fifth of the
-    event loop's busy samples on sharegpt-100 (py-spy)."""
+    """Accumulate every delta; a client that goes away aborts the request."""
     choices = [Choice() for _ in range(n)]
 
     async def collect() -> None:
         async for delta in deltas:
             for out in delta.outputs:
-                _accumulate(choices[out.index], out)
+                choices[out.index].add(out)
+
+    try:
+        await _unless_disconnected(request, collect())
+    finally:
+        await deltas.aclose()
+    return choices
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result; CancelledError when the client goes away first. The disconnect is
+    awaited rather than polled, so a request that waits costs the event loop nothing."""
 
     async def disconnect() -> None:  # the body is read: the next message is the disconnect
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    collector, watcher = asyncio.create_task(collect()), asyncio.create_task(disconnect())
+    task, watcher = asyncio.create_task(work), asyncio.create_task(disconnect())
     try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not collector.done():
-            collector.cancel()
-        await collector
-    finally:  # cancelling a finished task does nothing
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+        return await task
+    finally:  # both done before the caller closes the deltas the task was reading
         watcher.cancel()
-        collector.cancel()
-        await deltas.aclose()
-    return choices
-
-
-def _accumulate(choice: Choice, out: Any) -> None:
-    choice.text += out.text
-    choice.token_ids += out.token_ids
-    choice.logprobs += out.logprobs
-    choice.top_logprobs += out.top_logprobs
-    choice.finish_reason = out.finish_reason or choice.finish_reason
-
-
-class Renderer:
-    """Shapes deltas and finished choices as OpenAI completion or chat responses."""
-
-    def __init__(
-        self, api: Api, parsed: ParsedRequest, request_id: str, prompt_len: int, chat: bool
-    ) -> None:
-        self.api, self.parsed, self.request_id = api, parsed, request_id
-        self.prompt_len, self.chat = prompt_len, chat
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def final(self, choices: list[Choice]) -> dict[str, Any]:
-        completion_tokens = sum(len(c.token_ids) for c in choices)
-        return {
-            "id": self.request_id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.api.card.name,
-            "choices": [self._choice(i, c, final=True) for i, c in enumerate(choices)],
-            "usage": self._usage(completion_tokens),
-        }
-
-    async def sse(
-        self, deltas: AsyncIterator[RequestDelta], resume: tuple[int, int] | None
-    ) -> AsyncIterator[str]:
-        """One SSE event per output of each delta, id ``EVENT.OUTPUT``; a resumed stream
-        skips what the client's Last-Event-ID says it has."""
-        completion_tokens = 0
-        try:
-            if self.chat and resume is None:
-                roles = [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(self.parsed.params.n)
-                ]
-                yield _event(None, self._chunk(roles))
-            async for delta in deltas:
-                for out in delta.outputs:
-                    if resume is not None and (delta.event, out.index) <= resume:
-                        continue
-                    completion_tokens += len(out.token_ids)
-                    choice = Choice(
-                        out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
-                    )
-                    chunk = self._chunk([self._choice(out.index, choice, False)])
-                    yield _event(f"{delta.event}.{out.index}", chunk)
-            if self.parsed.include_usage:
-                usage = self._chunk([]) | {"usage": self._usage(completion_tokens)}
-                yield _event(None, usage)
-            yield "data: [DONE]\n\n"
-        finally:
-            await deltas.aclose()
-
-    def _chunk(self, choices: list[dict]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {
-            "id": self.request_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.api.card.name,
-            "choices": choices,
-        }
-
-    def _choice(self, index: int, c: Choice, final: bool) -> dict[str, Any]:
-        logprobs = self._logprobs(c) if self.parsed.logprobs is not None else None
-        body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
-        if not self.chat:
-            return body | {"text": c.text}
-        key = "message" if final else "delta"
-        content = {"role": "assistant", "content": c.text} if final else {"content": c.text}
-        return body | {key: content}
-
-    def _logprobs(self, c: Choice) -> dict[str, Any]:
-        tokenizer = self.api.tokenizer
-        tokens = [tokenizer.decode([t]) for t in c.token_ids]
-        tops = [{tokenizer.decode([t]): lp for t, lp in top.items()} for top in c.top_logprobs]
-        if not self.chat:
-            offsets, at = [], 0
-            for token in tokens:
-                offsets.append(at)
-                at += len(token)
-            return {
-                "tokens": tokens,
-                "token_logprobs": c.logprobs,
-                "top_logprobs": tops or None,
-                "text_offset": offsets,
-            }
-        content = []
-        for i, (token, lp) in enumerate(zip(tokens, c.logprobs, strict=True)):
-            top = [
-                {"token": t, "logprob": v, "bytes": list(t.encode())}
-                for t, v in (tops[i].items() if i < len(tops) else [])
-            ]
-            content.append(
-                {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top}
-            )
-        return {"content": content}
-
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_len,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_len + completion_tokens,
-        }
-
-
-def _event(event_id: str | None, payload: dict[str, Any]) -> str:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}data: {json.dumps(payload)}\n\n"
+        task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
 
 
 OPEN_PATHS = ("/health", "/dashboard")  # no API key: no request data behind them
@@ -255,17 +178,21 @@ class ApiKeyCheck:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         key = self.api.config.api_key
-        if key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if sent != f"Bearer {key}":
-                error = APIError(
-                    401,
-                    "invalid or missing API key (Authorization: Bearer ...)",
-                    code="invalid_api_key",
-                )
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
+        guarded = key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+        if guarded and not authorized(dict(scope["headers"]).get(b"authorization", b""), key):
+            error = APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer ...)",
+                code="invalid_api_key",
+            )
+            await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "5"} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None = None) -> FastAPI:
@@ -273,23 +200,17 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
     ``dashboard`` serves the block map at /dashboard."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 
-    @app.exception_handler(RequestInFlightError)
-    async def conflict(_: Request, e: RequestInFlightError) -> JSONResponse:
-        return JSONResponse(APIError(409, str(e), code="conflict").body(), status_code=409)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        error = APIError(503, str(e), code="engine_unavailable", type="server_error")
-        return JSONResponse(error.body(), status_code=503, headers={"Retry-After": "5"})
-
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        headers = {"Retry-After": "5"} if e.status == 503 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return _error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+        return _error_response(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)  # anything else: logged, and a JSON 500
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return _error_response(client_error(e, getattr(request.state, "request_id", None)))
 
     app.add_middleware(ApiKeyCheck, api=api)
 

@@ -2,44 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
+from scheduler_svc.api.errors import APIError
 
-
-class APIError(Exception):
-    """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
+# Request ids name Redis keys, log lines and the X-Request-Id response header: visible ASCII.
+_REQUEST_ID = re.compile(r"[!-~]{1,256}")
 
 
 @dataclass(slots=True)
@@ -56,22 +30,6 @@ class ParsedRequest:
     include_usage: bool
 
 
-def parse_json(body: bytes, config: ApiConfig) -> dict[str, Any]:
-    if len(body) > config.max_body_bytes:
-        raise APIError(
-            413,
-            f"request body of {len(body)} bytes exceeds the limit of {config.max_body_bytes} bytes",
-            code="request_too_large",
-        )
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return data
-
-
 def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
     value = data.get(name, default)
     if value is None:
@@ -86,7 +44,11 @@ def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) ->
 
 
 def _number(data: dict, name: str, default: float) -> float:
-    value = float(_get(data, name, (int, float), default))
+    value = _get(data, name, (int, float), default)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past any float
+        value = math.inf
     if not math.isfinite(value):
         raise APIError(400, f"'{name}' must be a finite number, got {value}", param=name)
     return value
@@ -125,7 +87,11 @@ def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> Par
     )
     _check(max_tokens >= 1, f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
     temperature = _number(data, "temperature", 0.0 if beam else 1.0)
-    _check(temperature >= 0, f"'temperature' must be >= 0, got {temperature}", "temperature")
+    _check(
+        0 <= temperature <= MAX_TEMPERATURE,
+        f"'temperature' must be in [0, {MAX_TEMPERATURE}], got {temperature}",
+        "temperature",
+    )
     top_p = _number(data, "top_p", 1.0)
     _check(0 < top_p <= 1, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = _get(data, "top_k", (int,), -1)
@@ -163,10 +129,11 @@ def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> Par
             stop=tuple(stop),
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
+            length_penalty=_number(data, "length_penalty", 1.0),
         )
     except InvalidSamplingParam as e:
         raise APIError(400, str(e), param=e.param) from None
-    request_id = _get(data, "request_id", (str,))
+    request_id = check_request_id(_get(data, "request_id", (str,)), "request_id")
     return ParsedRequest(
         model,
         prompt,
@@ -177,6 +144,13 @@ def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> Par
         request_id,
         bool(stream_options.get("include_usage", False)),
     )
+
+
+def check_request_id(value: str | None, param: str) -> str | None:
+    """``value`` when it is a usable request id (or None); APIError(400) otherwise."""
+    if value is not None and not _REQUEST_ID.fullmatch(value):
+        raise APIError(400, f"'{param}' must be 1 to 256 visible ASCII characters", param=param)
+    return value
 
 
 def _parse_prompt(data: dict) -> str | list[int]:

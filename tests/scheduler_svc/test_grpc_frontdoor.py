@@ -162,7 +162,7 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(text="hi", n=17), "'n' must be in [1, 16]"),
     (pb.GenerateRequest(text="hi", n=3, best_of=2), "'best_of' (2) must be >= 'n' (3)"),
     (pb.GenerateRequest(text="hi", best_of=17), "'best_of' must be <= 16"),
-    (pb.GenerateRequest(text="hi", temperature=-0.5), "'temperature' must be >= 0"),
+    (pb.GenerateRequest(text="hi", temperature=-0.5), "'temperature' must be in [0, 2.0]"),
     (pb.GenerateRequest(text="hi", temperature=float("nan")), "'temperature'"),
     (pb.GenerateRequest(text="hi", top_p=0), "'top_p' must be in (0, 1]"),
     (pb.GenerateRequest(text="hi", top_k=0), "'top_k' must be -1 or >= 1"),

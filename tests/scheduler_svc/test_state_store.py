@@ -152,6 +152,24 @@ def test_appends_extend_a_group_and_refuse_a_group_not_held(store: StateStore) -
     assert store.load().groups["a"] == "{}"
 
 
+def test_a_group_taken_over_leaves_the_lane_it_moved_from(store: StateStore) -> None:
+    """The commit that writes a moved group to its new lane deletes it, deltas and all,
+    from the old one, so no two lanes ever hold it; the root store is a lane named ""."""
+    epoch = store.begin_epoch()
+    old, new = store.lane("a"), store.lane("b")
+    assert old.commit(StepCommit(epoch, 1, upsert_groups={"g": "{}", "h": "{}"}))
+    assert old.commit(StepCommit(epoch, 2, append_groups={"g": '{"v": 1}'}))
+    assert store.commit(StepCommit(epoch, 1, upsert_groups={"r": "{}"}))
+    assert new.commit(
+        StepCommit(epoch, 1, upsert_groups={"g": "{}", "r": "{}"}, taken_over={"g": "a", "r": ""})
+    )
+    assert old.load().groups == {"h": "{}"}
+    assert store.load().groups == {}
+    assert new.load().groups == {"g": "{}", "r": "{}"}
+    assert old.commit(StepCommit(epoch, 3, upsert_groups={"g": "{}"}))  # back: no stale deltas
+    assert old.load().groups["g"] == "{}"
+
+
 def test_pending_step_and_clear_together_is_a_caller_error() -> None:
     with pytest.raises(ValueError):
         StepCommit(1, 1, pending_step="{}", clear_pending_step=True)

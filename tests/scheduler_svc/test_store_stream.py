@@ -13,7 +13,15 @@ import pytest
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.async_engine import RequestInFlightError
 from scheduler_svc.state_store import StateStore, StepCommit
-from scheduler_svc.store_stream import RequestVanishedError, StoreStream
+from scheduler_svc.store_stream import (
+    EventOutOfRangeError,
+    RequestIdConflictError,
+    RequestVanishedError,
+    StoreStream,
+    request_owner,
+    request_record,
+    submit,
+)
 from scheduler_svc.streams import RequestDelta, SeqDelta
 from scheduler_svc.wakeups import OnEvents
 from tests.scheduler_svc.test_state_store import namespace, store  # noqa: F401
@@ -97,14 +105,15 @@ def test_stream_yields_the_leaders_events_in_order(store: StateStore) -> None:  
 def test_resume_after_an_event_and_reattach(store: StateStore) -> None:  # noqa: F811
     leader = FakeLeader(store, gap_s=0)
     leader.start()
-    store.submit_request("r", "{}")
+    record = request_record([9], PARAMS, time.time())
+    store.submit_request("r", record)
     leader.join(5)
     stream = StoreStream(store, poll_s=60.0)
     resumed = run(collect(stream.generate("r", [9], PARAMS, after_event=2)))
     assert [d.event for d in resumed] == [3, 4]
     again = run(collect(stream.generate("r", [9], PARAMS)))  # a known id: nothing resubmitted
     assert [d.event for d in again] == [1, 2, 3, 4]
-    assert store.get_request("r") == "{}" and store.pending_requests() == []
+    assert store.get_request("r") == record and store.pending_requests() == []
 
 
 def test_early_close_asks_the_leader_to_abort(store: StateStore) -> None:  # noqa: F811
@@ -215,3 +224,29 @@ def test_lost_pushes_are_read_from_the_list(store: StateStore, keep: int) -> Non
     leader.join(5)
     assert [d.event for d in got] == list(range(1, 9))
     assert got[-1].finished
+
+
+def test_a_resume_past_the_last_event_raises_at_once(store: StateStore) -> None:  # noqa: F811
+    leader = FakeLeader(store, gap_s=0)
+    leader.start()
+    store.submit_request("r", request_record([9], PARAMS, time.time()))
+    leader.join(5)  # events 1..4, the 4th finished
+    stream = StoreStream(store, poll_s=60.0)  # a hang would outlast the test's timeout
+    with pytest.raises(EventOutOfRangeError):
+        run(collect(stream.generate("r", [9], PARAMS, after_event=4)), timeout=5)
+    assert [d.event for d in run(collect(stream.generate("r", [9], PARAMS, 3)))] == [4]
+
+
+def test_a_known_id_with_another_body_is_a_conflict(store: StateStore) -> None:  # noqa: F811
+    assert submit(store, "r", [1, 2], PARAMS, time.time(), owner="alice")
+    assert not submit(store, "r", [1, 2], PARAMS, time.time(), owner="alice")
+    assert request_owner(store, "r") == "alice" and request_owner(store, "gone") is None
+    stream = StoreStream(store, poll_s=60.0)
+    for prompt, params in (([1, 3], PARAMS), ([1, 2], SamplingParams(max_tokens=5))):
+        with pytest.raises(RequestIdConflictError):
+            submit(store, "r", prompt, params, time.time())
+        with pytest.raises(RequestIdConflictError):
+            run(collect(stream.generate("r", prompt, params)))
+        with pytest.raises(RequestIdConflictError):
+            run(collect(stream.generate("r", prompt, params, after_event=1)))
+    assert [rid for rid, _ in store.pending_requests()] == ["r"]

@@ -1,0 +1,178 @@
+"""Shapes a request's deltas as OpenAI completion or chat responses, whole or as SSE events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_svc.api.errors import client_error
+from scheduler_svc.api.protocol import ParsedRequest
+from scheduler_svc.api.wire import finite_logprob, to_json
+from scheduler_svc.streams import RequestDelta, SeqDelta
+
+
+@dataclass(slots=True)
+class Choice:
+    """One output accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, out: SeqDelta) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.top_logprobs += out.top_logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+
+
+class Renderer:
+    """Shapes deltas and finished choices as OpenAI completion or chat responses."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Any,
+        parsed: ParsedRequest,
+        request_id: str,
+        prompt_len: int,
+        chat: bool,
+    ) -> None:
+        self.model, self.tokenizer, self.parsed = model, tokenizer, parsed
+        self.request_id, self.prompt_len, self.chat = request_id, prompt_len, chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def final(self, choices: list[Choice]) -> dict[str, Any]:
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return {
+            "id": self.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(i, c, final=True) for i, c in enumerate(choices)],
+            "usage": self._usage(completion_tokens),
+        }
+
+    async def sse(
+        self,
+        first: RequestDelta | None,
+        deltas: AsyncIterator[RequestDelta],
+        resume: tuple[int, int] | None,
+    ) -> AsyncIterator[str]:
+        """The events of ``first`` and then of ``deltas``, ended by ``[DONE]``. A failure
+        mid-stream is sent as an error event before ``[DONE]``, as vLLM sends it: the 200
+        is out by then, and a silent close would look like a finished stream."""
+        try:
+            async for event in self._events(_prepend(first, deltas), resume):
+                yield event
+        except Exception as e:
+            yield f"data: {to_json(client_error(e, self.request_id).body())}\n\n"
+        finally:
+            await deltas.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def _events(
+        self, deltas: AsyncIterator[RequestDelta], resume: tuple[int, int] | None
+    ) -> AsyncIterator[str]:
+        """One SSE event per output of each delta, id ``EVENT.OUTPUT``; a resumed stream
+        skips what the client's Last-Event-ID says it has."""
+        completion_tokens = 0
+        if self.chat and resume is None:
+            roles = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(self.parsed.params.n)
+            ]
+            yield _event(None, self._chunk(roles))
+        async for delta in deltas:
+            for out in delta.outputs:
+                if resume is not None and (delta.event, out.index) <= resume:
+                    continue
+                completion_tokens += len(out.token_ids)
+                choice = Choice(
+                    out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
+                )
+                chunk = self._chunk([self._choice(out.index, choice, False)])
+                yield _event(f"{delta.event}.{out.index}", chunk)
+        if self.parsed.include_usage:
+            yield _event(None, self._chunk([]) | {"usage": self._usage(completion_tokens)})
+
+    def _chunk(self, choices: list[dict]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _choice(self, index: int, c: Choice, final: bool) -> dict[str, Any]:
+        logprobs = self._logprobs(c) if self.parsed.logprobs is not None else None
+        body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if not self.chat:
+            return body | {"text": c.text}
+        key = "message" if final else "delta"
+        content = {"role": "assistant", "content": c.text} if final else {"content": c.text}
+        return body | {key: content}
+
+    def _logprobs(self, c: Choice) -> dict[str, Any]:
+        tokenizer = self.tokenizer
+        tokens = [tokenizer.decode([t]) for t in c.token_ids]
+        logprobs = [finite_logprob(lp) for lp in c.logprobs]
+        tops = [
+            {tokenizer.decode([t]): finite_logprob(lp) for t, lp in top.items()}
+            for top in c.top_logprobs
+        ]
+        if not self.chat:
+            offsets, at = [], 0
+            for token in tokens:
+                offsets.append(at)
+                at += len(token)
+            return {
+                "tokens": tokens,
+                "token_logprobs": logprobs,
+                "top_logprobs": tops or None,
+                "text_offset": offsets,
+            }
+        content = []
+        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            top = [
+                {"token": t, "logprob": v, "bytes": list(t.encode())}
+                for t, v in (tops[i].items() if i < len(tops) else [])
+            ]
+            content.append(
+                {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top}
+            )
+        return {"content": content}
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_len + completion_tokens,
+        }
+
+
+def _event(event_id: str | None, payload: dict[str, Any]) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {to_json(payload)}\n\n"
+
+
+async def _prepend(
+    first: RequestDelta | None, rest: AsyncIterator[RequestDelta]
+) -> AsyncIterator[RequestDelta]:
+    if first is not None:
+        yield first
+    async for delta in rest:
+        yield delta
