@@ -169,13 +169,6 @@ def _add_executor(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
     p.add_argument(
-        "--store-budget",
-        type=float,
-        default=30.0,
-        help="seconds a stream waits out an unreachable --state-store before it ends with "
-        "an error event (the request goes on; resume it with Last-Event-ID)",
-    )
-    p.add_argument(
         "--advertise-address",
         default=os.environ.get("PAGEDSERVE_ADVERTISE_ADDRESS", ""),
         help="HOST:PORT schedulers dial (env PAGEDSERVE_ADVERTISE_ADDRESS); default: --host:--port",
