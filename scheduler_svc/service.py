@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -200,6 +201,11 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     server = uvicorn.Server(config)  # exits on SIGINT and SIGTERM
     log.info("serving", url=f"http://{api_config.host}:{api_config.port}")
     watchdog = asyncio.create_task(_exit_when_dead(async_engine, server), name="watchdog")
+    # uvicorn stops on SIGTERM or SIGINT, then raises the signal again under the handler
+    # found before it started; a quiet one lets the cleanup below (and the caller's: the
+    # executor `serve` started) run instead of the signal ending the process first.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore_signal)
     try:
         await server.serve()
     finally:
@@ -208,6 +214,10 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
             await frontdoor.stop(grace=5)
         await async_engine.stop()
     return 1 if async_engine.died.is_set() else 0
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    """Only uvicorn's own handler acts on a stop signal while it serves."""
 
 
 async def _exit_when_dead(engine: AsyncEngine, server: uvicorn.Server) -> None:
