@@ -27,6 +27,7 @@ Rules shared by both stores:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -173,8 +174,14 @@ def check_epoch(commit_epoch: int, store_epoch: int) -> None:
 class InMemoryStateStore:
     """Dicts and lists under one lock: the embedded default; lost when the process exits."""
 
-    def __init__(self) -> None:
+    def __init__(self, finished_ttl_s: float = 3600.0, clock: Callable[[], float] = time.monotonic):
+        """Args:
+        finished_ttl_s: how long a finished request's events and record outlive its group
+            (as RedisStateStore's keys expire), so a long-running server does not keep them.
+        """
         self._lock = threading.Lock()
+        self._finished_ttl_s, self._clock = finished_ttl_s, clock
+        self._expiring: dict[str, float] = {}  # finished request id -> when it goes, in order
         self._root = self  # lane views share the epoch, requests and events with it
         self.lane_name = ""
         self._lanes: dict[str, InMemoryStateStore] = {}
@@ -273,8 +280,25 @@ class InMemoryStateStore:
                 self._queue.pop(rid, None)
             for rid in dict.fromkeys(commit.delete_groups + commit.new_requests_consumed):
                 self._release_if_unused(rid)
+            self._root._expire(commit.delete_groups)
             self._root._watchers.push(pushed)
             return True
+
+    def _expire(self, finished: list[str]) -> None:
+        """Root, under the lock: schedule the finished requests' events and records to go,
+        and drop those whose time has come."""
+        now = self._clock()
+        for rid in finished:
+            self._expiring.pop(rid, None)
+            self._expiring[rid] = now + self._finished_ttl_s
+        while self._expiring:
+            rid, deadline = next(iter(self._expiring.items()))
+            if deadline > now:
+                break
+            del self._expiring[rid]
+            self._events.pop(rid, None)
+            if not any(rid in lane._groups for lane in (self, *self._lanes.values())):
+                self._records.pop(rid, None)
 
     def read_events(self, request_id: str, after: int = 0) -> list[tuple[int, str]]:
         with self._lock:
@@ -293,6 +317,7 @@ class InMemoryStateStore:
         with self._lock:
             if request_id in self._records:
                 return False
+            self._root._expiring.pop(request_id, None)
             self._records[request_id] = record
             self._queue[request_id] = None
         self._root._work.notify()
