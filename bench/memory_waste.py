@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """KV-cache memory waste: the paged block manager against contiguous pre-allocation.
 
-Replays a trace from the shared workload generator, step by step (one token per running
-request per step, FCFS admission), through pagedserve's real scheduler and block manager
-and through three Orca-style contiguous allocators on the same KV budget:
+Replays a trace from the workload generator (bench/workload.py), step by step (one token
+per running request per step, FCFS admission), through pagedserve's real scheduler and
+block manager and through three Orca-style contiguous allocators on the same KV budget:
 
     orca_max     reserves max_model_len slots per request
     orca_pow2    reserves prompt + the next power of two >= the output length
@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 
 from tqdm import tqdm
 
-from bench.common import PRESETS, WORKLOAD, Trace, load_trace, pyplot, write_json
+from bench.common import PRESETS, Trace, load_trace, pyplot, write_json
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
 from pagedserve.step import SeqOutput
@@ -158,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-slots", type=int, default=32768, help="KV budget in token slots")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workload", type=Path, default=WORKLOAD)
     parser.add_argument("--json", type=Path, help="write results here (and a PNG beside it)")
     args = parser.parse_args(argv)
 
-    trace = load_trace(args.workload, args.preset, args.num_requests, args.max_model_len, args.seed)
+    trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
     pairs = list(zip(trace.prompt_lens, trace.output_lens, strict=True))
     runs = {
         "paged": replay_paged(trace, args.block_size, args.kv_slots, args.max_model_len),
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['mean_concurrent']:>10} {s['steps']:>6}"
         )
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
+        config = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, config, {"systems": systems})
         plot(runs, args.json.with_suffix(".png"), f"{args.preset}, block size {args.block_size}")
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")

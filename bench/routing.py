@@ -1,6 +1,6 @@
 """Prefix-aware routing against round robin over two executors.
 
-The `chat-prefix` trace with two distinct system prompts (two traces of the shared generator,
+The `chat-prefix` trace with two distinct system prompts (two traces of the workload generator,
 seeds s and s + 1, interleaved) goes through one scheduler in front of two registered
 executors, once per routing policy. Prefix-aware routing sends each system prompt to the
 executor that already holds it, so its prefix cache hits; round robin splits each prompt's
@@ -10,7 +10,7 @@ prefill tokens computed, wall time and output tokens/s.
 
     python bench/routing.py --num-requests 16 --shared-prefix-len 512 --json OUT
 
-Needs a redis-server: the one answering at --redis, else one started here on a free port.
+Needs Redis: the one answering at --redis, else a private server started here on a free port.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
     RESULTS,
-    WORKLOAD,
     Trace,
     load_trace,
     print_table,
@@ -59,9 +58,7 @@ def two_prompt_trace(args: argparse.Namespace) -> Trace:
     executors then gives each executor both prompts."""
     half = args.num_requests // 2
     a, b = (
-        load_trace(
-            args.workload, "chat-prefix", half, args.max_model_len, seed, args.shared_prefix_len
-        )
+        load_trace("chat-prefix", half, args.max_model_len, seed, args.shared_prefix_len)
         for seed in (args.seed, args.seed + 1)
     )
     alternating = [(t, j + k) for j in range(0, half, 2) for t in (a, b) for k in (0, 1)]
@@ -184,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--json", type=Path, default=RESULTS / "routing_chat_prefix.json")
     p.add_argument("--plot", type=Path, default=None, help="default: the JSON path as .png")
     args = p.parse_args(argv)

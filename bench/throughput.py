@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end generation throughput of pagedserve (in-process and as services) and its peers.
 
-Same trace (the shared workload generator), model (SmolLM2-135M-Instruct from its GGUF),
+Same trace (bench/workload.py), model (SmolLM2-135M-Instruct from its GGUF),
 fp32, torch threads and greedy sampling everywhere; each request generates exactly
 ``max_tokens`` (EOS ignored). Load and a short warm-up are not timed: the clock runs from
 first submission to last token.
@@ -48,7 +48,6 @@ import httpx
 from bench import peers
 from bench.common import (
     PRESETS,
-    WORKLOAD,
     Run,
     Trace,
     close_llm,
@@ -329,7 +328,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help=f"runs of each of {ROUNDED}, alternating their order; they report the mean",
     )
-    p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
@@ -354,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = parse_args(argv)
-    trace = load_trace(args.workload, args.preset, args.num_requests, args.max_model_len, args.seed)
+    trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
     selected = args.systems.split(",")
     rounded = run_rounds(selected, trace, args)
     systems = {n: rounded.get(n) or run_system(n, selected, trace, args) for n in SYSTEMS}
     time_head(systems, trace, args)
     ratio = ratios(systems)
-    config = {k: v for k, v in vars(args).items() if k not in ("workload", "json")}
+    config = {k: v for k, v in vars(args).items() if k != "json"}
     config |= {
         "dtype": "float32",
         "threads": torch.get_num_threads(),

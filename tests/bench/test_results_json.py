@@ -5,24 +5,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.common import ROOT, WORKLOAD, write_json
+from bench.common import ROOT, write_json
 
 
 def test_paths_in_a_result_are_portable(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     config = {
-        "workload": WORKLOAD,
+        "script": ROOT / "bench" / "workload.py",
         "json": ROOT / "bench" / "results" / "x.json",
         "vllm_python": "/opt/some-venv/bin/python",
+        "beside_checkout": ROOT.parent / "elsewhere" / "bin" / "python",
         "preset": "sharegpt",
         "num_requests": 3,
     }
     write_json(out, config, {"systems": {}})
     written = json.loads(out.read_text())["config"]
     assert written == {
-        "workload": "../shared/bench/workload.py",
+        "script": "bench/workload.py",
         "json": "bench/results/x.json",
         "vllm_python": ".../some-venv/bin/python",
+        "beside_checkout": ".../elsewhere/bin/python",  # not ../elsewhere: outside the repo
         "preset": "sharegpt",
         "num_requests": 3,
     }

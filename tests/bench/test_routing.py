@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.redis
-def test_prefix_routing_hits_where_round_robin_recomputes(tmp_path, tiny_chat_model_dir):
+def test_prefix_routing_hits_where_round_robin_recomputes(tmp_path, tiny_chat_model_dir, redis_url):
     out = tmp_path / "routing.json"
     cmd = [sys.executable, str(ROOT / "bench/routing.py"), f"--json={out}"]
     cmd += [f"--model={tiny_chat_model_dir}", "--num-requests=8", "--shared-prefix-len=256"]
-    cmd += ["--num-gpu-blocks=512"]
+    cmd += ["--num-gpu-blocks=512", f"--redis={redis_url}"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     systems = json.loads(out.read_text())["systems"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import WORKLOAD, load_trace
+from bench.common import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_prefix_caching_computes_fewer_prefill_tokens(
     flags += ["--shared-prefix-len=64", "--max-model-len=160", "--num-gpu-blocks=128"]
     result = run_sharing(tmp_path, *flags)
     runs = result["prefix"]["runs"]
-    trace = load_trace(WORKLOAD, "chat-prefix", 3, 160, 0, shared_prefix_len=64)
+    trace = load_trace("chat-prefix", 3, 160, 0, shared_prefix_len=64)
     off, on = runs["off"], runs["on"]
     assert off["prefill_tokens_computed"] == sum(trace.prompt_lens)
     assert off["prefix_cache_hit_tokens"] == 0
@@ -65,7 +65,7 @@ def test_block_size_sweep_and_preemption_cost(tmp_path: Path, tiny_chat_model_di
     part = run_sharing(tmp_path, *flags)["block-size"]
     util = part["utilization"]["sharegpt"]
     assert util["8"]["utilization"] > util["32"]["utilization"] > 0.5  # bigger blocks waste more
-    expected = sum(load_trace(WORKLOAD, "alpaca", 2, 64, 0).output_lens)
+    expected = sum(load_trace("alpaca", 2, 64, 0).output_lens)
     for b, blocks in (("8", 6), ("32", 2)):
         assert part["throughput"]["alpaca"][b]["output_tokens"] == expected
         cost = part["preemption"][b]

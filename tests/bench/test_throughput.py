@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import WORKLOAD, load_trace
+from bench.common import load_trace
 from pagedserve.settings import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,13 +26,17 @@ def run_bench(tmp_path: Path, model: Path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_throughput_pagedserve_and_services(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+@pytest.mark.redis
+def test_throughput_pagedserve_and_services(
+    tmp_path: Path, tiny_chat_model_dir: Path, redis_url: str
+) -> None:
     flags = ["--preset=sharegpt", "--num-requests=6", "--max-model-len=128", "--rounds=2"]
-    result = run_bench(tmp_path, tiny_chat_model_dir, *flags, "--systems=pagedserve,services")
+    flags += ["--systems=pagedserve,services", f"--redis={redis_url}"]
+    result = run_bench(tmp_path, tiny_chat_model_dir, *flags)
     assert result["config"]["num_requests"] == 6
     systems = result["systems"]
     assert set(systems) == {"pagedserve", "services", "hf", "hf-cb", "vllm"}
-    expected = sum(load_trace(WORKLOAD, "sharegpt", 6, 128, 0).output_lens)
+    expected = sum(load_trace("sharegpt", 6, 128, 0).output_lens)
     for name in ("pagedserve", "services"):
         s = systems[name]
         assert s["num_requests"] == 6
@@ -47,7 +51,7 @@ def test_throughput_pagedserve_and_services(tmp_path: Path, tiny_chat_model_dir:
     assert 0 < ps["execute_s"] < ps["wall_s_rounds"][-1]
     split = systems["services"]["executor"]  # the last round's, read from the executor
     assert split["wall_s"] == systems["services"]["wall_s_rounds"][-1]
-    longest = max(load_trace(WORKLOAD, "sharegpt", 6, 128, 0).output_lens)
+    longest = max(load_trace("sharegpt", 6, 128, 0).output_lens)
     assert longest > split["steps"] >= longest / SchedulerConfig.num_decode_steps
     assert 0 < split["step_s"] < split["wall_s"]
     outside = 1e3 * (split["wall_s"] - split["step_s"]) / split["steps"]  # of rounded times
@@ -66,7 +70,7 @@ def test_throughput_hf_static_and_continuous(tmp_path: Path, tiny_chat_model_dir
     flags += ["--hf-batch-sizes=1,2,4", "--systems=pagedserve,hf,hf-cb"]
     result = run_bench(tmp_path, tiny_chat_model_dir, *flags)
     systems = result["systems"]
-    trace = load_trace(WORKLOAD, "alpaca", 5, 64, 0)
+    trace = load_trace("alpaca", 5, 64, 0)
     hf = systems["hf"]
     assert set(hf["batch_sizes"]) == {"1", "2", "4"}
     assert hf["batch_sizes"]["4"]["wall_s"] == hf["batch_sizes"]["2"]["wall_s"]  # not rerun
