@@ -16,15 +16,14 @@ from pagedserve.settings import ExecutorConfig
 from scheduler_svc.executor_client import ExecutorClient
 from tests.services import free_port, start, wait_healthy
 
-REDIS = "redis://127.0.0.1:6379/0"
 MAX_TOKENS = 48
 
 
 def start_executor(
     model_dir: Path,
     namespace: str,
+    redis: str,
     drain_s: float = 3.0,
-    redis: str = REDIS,
     port: int | None = None,
     num_gpu_blocks: int = 96,
 ):
@@ -37,7 +36,7 @@ def start_executor(
     return proc, f"127.0.0.1:{port}"
 
 
-def start_scheduler(namespace: str, *flags: str, redis: str = REDIS):
+def start_scheduler(namespace: str, *flags: str, redis: str):
     port = free_port()
     args = ["scheduler", "--port", str(port), "--state-store", redis, "--namespace", namespace]
     proc = start([*args, *flags], f"scheduler-{port}.log")

@@ -1,12 +1,20 @@
-"""Models for the tests: tiny seeded random Llamas, and the real default model."""
+"""Shared fixtures: tiny seeded random Llamas, the real default model, and Redis servers."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
+
+from scheduler_svc.redis_store import RedisStateStore
+from scheduler_svc.state_store import InMemoryStateStore, StateStore
+from tests.redis_server import RedisServer
 
 
 def save_tiny_llama(path: Path, **overrides: object) -> Path:
@@ -66,3 +74,61 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: P
         if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(name, path / name.name)
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The run's Redis: PAGEDSERVE_TEST_REDIS_URL when set, else a server of our own on a
+    free port (tests/redis_server.py), stopped when the run ends."""
+    given = os.environ.get("PAGEDSERVE_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    server = RedisServer(tmp_path_factory.mktemp("redis"), append_only=False)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace(redis_client: redis.Redis) -> Iterator[str]:
+    """A fresh Redis namespace per test, its keys deleted afterwards."""
+    ns = f"test-{uuid.uuid4().hex}"
+    yield ns
+    delete_namespace(redis_client, ns)
+
+
+def delete_namespace(client: redis.Redis, namespace: str) -> None:
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    """Each StateStore in turn: the in-process one, and one on the run's Redis."""
+    if request.param == "memory":
+        yield InMemoryStateStore()
+        return
+    url, ns = request.getfixturevalue("redis_url"), request.getfixturevalue("namespace")
+    redis_store = RedisStateStore(url, namespace=ns)
+    yield redis_store
+    redis_store.close()  # stops its event listener thread, if a test started one
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis server of the test's own, to kill or freeze without touching the run's."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

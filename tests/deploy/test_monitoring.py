@@ -1,5 +1,5 @@
 """Grafana and Prometheus files: every series the dashboard and the autoscaling rules query
-is one the services export, and the dashboard covers the metrics of DESIGN.md."""
+is one the services export, and the dashboard covers the metric contract (README, "Observe")."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.deploy.manifests import DEPLOY, load_yaml
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedserve.json"
 # Where each service defines its metrics; every *Metrics class there is instantiated.
 METRICS_MODULES = ("scheduler_svc.metrics", "executor_svc.metrics")
-# DESIGN.md, "Metrics" in the external contract, plus the executor's step time.
+# The metrics the README promises ("Observe"), plus the executor's step time.
 CONTRACT = {
     "gauge": {
         "kv_blocks_total",
@@ -105,7 +105,7 @@ def test_dashboard_queries_only_exported_series() -> None:
 
 def test_dashboard_queries_only_contract_series() -> None:
     outside = dashboard_series() - contract_series()
-    assert not outside, f"not in DESIGN.md's metric contract: {sorted(outside)}"
+    assert not outside, f"not in the metric contract: {sorted(outside)}"
 
 
 def test_dashboard_covers_the_required_panels() -> None:

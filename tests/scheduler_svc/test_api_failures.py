@@ -21,7 +21,7 @@ import structlog
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
 from scheduler_svc.api.errors import client_error
-from tests.scheduler_svc.test_leader import private_redis  # noqa: F401
+from tests.redis_server import RedisServer
 from tests.services import free_port, start, stop, wait_healthy
 
 pytestmark = pytest.mark.redis
@@ -31,11 +31,11 @@ LONG = {"prompt": "Tell a very long story", "max_tokens": 900, "ignore_eos": Tru
 @pytest.fixture
 def on_private_redis(
     tiny_chat_model_dir: Path,
-    private_redis: tuple[str, subprocess.Popen],  # noqa: F811
-) -> Iterator[tuple[str, str, subprocess.Popen, subprocess.Popen]]:
+    private_redis: RedisServer,
+) -> Iterator[tuple[str, str, subprocess.Popen, RedisServer]]:
     """`pagedserve serve` with its state in a redis-server of its own; yields the HTTP URL,
-    the gRPC address, the server process and the redis-server process."""
-    redis_url, redis_proc = private_redis
+    the gRPC address, the server process and the redis-server."""
+    redis_url, redis_proc = private_redis.url, private_redis
     port, grpc_port = free_port(), free_port()
     args = ["serve", "--model", str(tiny_chat_model_dir), "--port", str(port)]
     args += ["--executor-port", str(free_port()), "--executor-metrics-port", "0"]

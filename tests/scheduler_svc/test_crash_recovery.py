@@ -22,7 +22,6 @@ from pagedserve.settings import ExecutorConfig
 from tests.services import free_port, start, stop, wait_healthy
 
 pytestmark = pytest.mark.redis
-REDIS = "redis://127.0.0.1:6379/0"
 PROMPTS = ["The harbour committee met", "A fisherman asked who would pay", "By noon the mayor"]
 MAX_TOKENS = 24
 
@@ -67,7 +66,7 @@ def reference(tiny_chat_model_dir: Path) -> list[str]:
     return [r.outputs[0].text for r in results]
 
 
-def scheduler(executor: str, namespace: str, crash_at: str | None = None):
+def scheduler(redis_url: str, executor: str, namespace: str, crash_at: str | None = None):
     port = free_port()
     env = {"PAGEDSERVE_CRASH_AT": crash_at} if crash_at else {}
     proc = start(
@@ -78,7 +77,7 @@ def scheduler(executor: str, namespace: str, crash_at: str | None = None):
             "--port",
             str(port),
             "--state-store",
-            REDIS,
+            redis_url,
             "--namespace",
             namespace,
         ],
@@ -107,8 +106,8 @@ def used_blocks(url: str) -> float:
 
 
 @pytest.mark.parametrize("where", ["before_persist", "after_persist", "after_execute"])
-def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference, where):
-    proc, url = scheduler(executor, namespace, crash_at=f"{where}:4")
+def test_kill_9_at_a_step_boundary_loses_nothing(redis_url, executor, namespace, reference, where):
+    proc, url = scheduler(redis_url, executor, namespace, crash_at=f"{where}:4")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     ids = [f"req-{where}-{i}" for i in range(len(PROMPTS))]
 
@@ -130,7 +129,7 @@ def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference,
         stop(proc)
     for t in threads:
         t.join(timeout=60)
-    proc, url = scheduler(executor, namespace)
+    proc, url = scheduler(redis_url, executor, namespace)
     try:
         for i, request_id in enumerate(ids):  # the clients retry with their request ids
             r = httpx.post(
@@ -147,8 +146,8 @@ def test_kill_9_at_a_step_boundary_loses_nothing(executor, namespace, reference,
         stop(proc)
 
 
-def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, reference):
-    proc, url = scheduler(executor, namespace, crash_at="after_execute:4")
+def test_a_stream_resumes_after_the_last_event_it_got(redis_url, executor, namespace, reference):
+    proc, url = scheduler(redis_url, executor, namespace, crash_at="after_execute:4")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     got, last_id, seen = "", None, []
     try:
@@ -171,7 +170,7 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
         assert proc.wait(timeout=60) == -9 and last_id is not None
     finally:
         stop(proc)
-    proc, url = scheduler(executor, namespace)
+    proc, url = scheduler(redis_url, executor, namespace)
     try:
         with httpx.stream(
             "POST",
@@ -192,11 +191,13 @@ def test_a_stream_resumes_after_the_last_event_it_got(executor, namespace, refer
         stop(proc)
 
 
-def test_executor_kill_9_is_a_delay_not_an_error(tiny_chat_model_dir, namespace, reference):
+def test_executor_kill_9_is_a_delay_not_an_error(
+    redis_url, tiny_chat_model_dir, namespace, reference
+):
     port = free_port()
     args = executor_args(tiny_chat_model_dir, port)
     executor = start(args, f"executor-{port}.log")
-    proc, url = scheduler(f"127.0.0.1:{port}", f"{namespace}-executor")
+    proc, url = scheduler(redis_url, f"127.0.0.1:{port}", f"{namespace}-executor")
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     results: dict[int, httpx.Response] = {}
 

@@ -4,9 +4,7 @@ fencing that refuses a leader who was paused past its lease."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +18,7 @@ import redis
 from scheduler_svc.leader import LeaderLease, LeaseKeeper, LocalLease, lease_for
 from scheduler_svc.redis_store import RedisStateStore
 from scheduler_svc.state_store import InMemoryStateStore, StaleEpochError, StepCommit
-from tests.scheduler_svc.test_state_store import REDIS_URL, namespace  # noqa: F401
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -28,8 +26,8 @@ TTL = 0.5
 
 
 @pytest.fixture
-def store(namespace: str) -> Iterator[RedisStateStore]:  # noqa: F811
-    s = RedisStateStore(REDIS_URL, namespace=namespace)
+def store(redis_url: str, namespace: str) -> Iterator[RedisStateStore]:
+    s = RedisStateStore(redis_url, namespace=namespace)
     yield s
     s.close()
 
@@ -90,10 +88,12 @@ def test_release_deletes_only_our_own_lease(store: RedisStateStore) -> None:
     assert a.holder() == "b"
 
 
-def test_lease_lives_under_the_namespace(store: RedisStateStore, namespace: str) -> None:  # noqa: F811
+def test_lease_lives_under_the_namespace(
+    store: RedisStateStore, namespace: str, redis_url: str
+) -> None:
     lease = LeaderLease(store, TTL, "a")
     lease.acquire()
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
     assert client.get(f"{namespace}:leader") == "a"
     assert 0 < client.pttl(f"{namespace}:leader") <= TTL * 1000
     client.close()
@@ -126,11 +126,11 @@ def test_a_renewing_leader_keeps_the_standby_out(store: RedisStateStore) -> None
     standby.step_down()
 
 
-def test_keeper_reports_a_taken_lease_once(store: RedisStateStore) -> None:
+def test_keeper_reports_a_taken_lease_once(store: RedisStateStore, redis_url: str) -> None:
     lost: list[float] = []
     keeper = LeaseKeeper(LeaderLease(store, TTL, "a"), on_lost=lambda: lost.append(1))
     assert keeper.wait_for_leadership() == 1
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.set(f"{store.namespace}:leader", "usurper", px=int(TTL * 4000))
     client.close()
     deadline = time.monotonic() + TTL
@@ -143,12 +143,12 @@ def test_keeper_reports_a_taken_lease_once(store: RedisStateStore) -> None:
     assert LeaderLease(store, TTL).holder() == "usurper"  # stepping down released nothing
 
 
-def test_keeper_can_lead_again_after_a_loss(store: RedisStateStore) -> None:
+def test_keeper_can_lead_again_after_a_loss(store: RedisStateStore, redis_url: str) -> None:
     lost = threading.Event()
     keeper = LeaseKeeper(LeaderLease(store, TTL, "a"), on_lost=lost.set)
     assert keeper.wait_for_leadership() == 1
     other = LeaderLease(store, TTL, "b")
-    redis.Redis.from_url(REDIS_URL).delete(f"{store.namespace}:leader")
+    redis.Redis.from_url(redis_url).delete(f"{store.namespace}:leader")
     assert other.acquire() == 2
     assert lost.wait(TTL * 2)
     keeper.step_down()
@@ -198,11 +198,13 @@ print("@", "lost" if lost.wait(5) else "never-lost", keeper.is_leader, flush=Tru
 """
 
 
-def test_paused_leader_wakes_up_fenced_and_steps_down(store: RedisStateStore) -> None:
+def test_paused_leader_wakes_up_fenced_and_steps_down(
+    store: RedisStateStore, redis_url: str
+) -> None:
     """SIGSTOP the leader process past its TTL, let a standby take over, SIGCONT it."""
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": str(root)}
-    args = [sys.executable, "-c", _PAUSABLE_LEADER, REDIS_URL, store.namespace, str(TTL)]
+    args = [sys.executable, "-c", _PAUSABLE_LEADER, redis_url, store.namespace, str(TTL)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert next(_marked(iter(proc.stdout.readline, ""))) == "leading 1"
@@ -227,39 +229,12 @@ def _marked(lines: Iterable[str]) -> Iterator[str]:
     return (line[2:].strip() for line in lines if line.startswith("@ "))
 
 
-@pytest.fixture
-def private_redis() -> Iterator[tuple[str, subprocess.Popen]]:
-    """A redis-server of our own, to freeze (SIGSTOP) without touching the shared one."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not on PATH")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    client.close()
-    yield url, proc
-    proc.send_signal(signal.SIGCONT)
-    proc.kill()
-    proc.wait()
-
-
-def test_keeper_reports_loss_when_redis_hangs(private_redis: tuple[str, subprocess.Popen]) -> None:
-    url, server = private_redis
-    store = RedisStateStore(url, namespace="leader-test", socket_timeout_s=1.0)
+def test_keeper_reports_loss_when_redis_hangs(private_redis: RedisServer) -> None:
+    store = RedisStateStore(private_redis.url, namespace="leader-test", socket_timeout_s=1.0)
     lost = threading.Event()
     keeper = LeaseKeeper(LeaderLease(store, TTL, "a"), on_lost=lost.set)
     assert keeper.wait_for_leadership() == 1
-    server.send_signal(signal.SIGSTOP)  # every call now times out rather than failing fast
+    private_redis.pause()  # every call now times out rather than failing fast
     frozen_at = time.monotonic()
     assert lost.wait(TTL * 3)
     # Reported no later than the TTL after the last renewal, plus one timed-out call.

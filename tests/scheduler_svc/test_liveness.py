@@ -67,12 +67,12 @@ def wait_generating(address: str, steps: int = 3) -> None:
 
 
 def test_an_executor_paused_past_its_heartbeat_keeps_its_requests(
-    tiny_chat_model_dir, namespace, reference
+    tiny_chat_model_dir, namespace, redis_url, reference
 ):
     """SIGSTOP for three heartbeat TTLs while its steps are in flight: the step on the
     wire proves it alive, so nothing moves, and every request finishes once."""
-    executors = [start_executor(tiny_chat_model_dir, namespace) for _ in range(2)]
-    scheduler, url = start_scheduler(namespace)
+    executors = [start_executor(tiny_chat_model_dir, namespace, redis=redis_url) for _ in range(2)]
+    scheduler, url = start_scheduler(namespace, redis=redis_url)
     try:
         wait_executors(url, 2)
         finished_before = metric(url, "requests_total")
@@ -96,14 +96,17 @@ def test_an_executor_paused_past_its_heartbeat_keeps_its_requests(
 
 @pytest.mark.parametrize("num_executors", [1, 2], ids=["alone", "beside-another"])
 def test_an_executor_restarted_at_its_address_recomputes_each_request_once(
-    tiny_chat_model_dir, namespace, reference, num_executors
+    tiny_chat_model_dir, namespace, redis_url, reference, num_executors
 ):
     """kill -9 with streams in flight and a restart at the same address after its
     heartbeat lapsed: alone, its requests wait and are recomputed on the new process;
     beside another, they move there and the restarted one rejoins. Either way no token is
     doubled, each request finishes once, and every pool drains."""
-    executors = [start_executor(tiny_chat_model_dir, namespace) for _ in range(num_executors)]
-    scheduler, url = start_scheduler(namespace)
+    executors = [
+        start_executor(tiny_chat_model_dir, namespace, redis=redis_url)
+        for _ in range(num_executors)
+    ]
+    scheduler, url = start_scheduler(namespace, redis=redis_url)
     restarted = None
     try:
         wait_executors(url, num_executors)
@@ -116,7 +119,9 @@ def test_an_executor_restarted_at_its_address_recomputes_each_request_once(
             victim.wait()
             time.sleep(4)  # past the heartbeat's TTL: the registry says it is gone
             port = int(address.rsplit(":", 1)[1])
-            restarted, _ = start_executor(tiny_chat_model_dir, namespace, port=port)
+            restarted, _ = start_executor(
+                tiny_chat_model_dir, namespace, redis=redis_url, port=port
+            )
             assert texts.result() == [reference[p] for p in PROMPTS]
         assert metric(url, "requests_total") - finished_before == len(PROMPTS)
         assert address in wait_executors(url, num_executors)
@@ -129,11 +134,11 @@ def test_an_executor_restarted_at_its_address_recomputes_each_request_once(
                 stop(proc)
 
 
-def test_a_burst_of_requests_all_finish(tiny_chat_model_dir, namespace):
+def test_a_burst_of_requests_all_finish(tiny_chat_model_dir, namespace, redis_url):
     """400 requests at once into a pool that holds a fraction of them: they wait or are
     preempted, and each gets its whole answer (no empty text passed off as finished)."""
-    executor, _ = start_executor(tiny_chat_model_dir, namespace, num_gpu_blocks=64)
-    scheduler, url = start_scheduler(namespace)
+    executor, _ = start_executor(tiny_chat_model_dir, namespace, redis=redis_url, num_gpu_blocks=64)
+    scheduler, url = start_scheduler(namespace, redis=redis_url)
     try:
         wait_executors(url, 1)
         finished_before = metric(url, "requests_total")

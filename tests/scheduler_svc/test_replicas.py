@@ -39,21 +39,24 @@ def reference(tiny_chat_model_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def replicas(tiny_chat_model_dir: Path):
+def replicas(tiny_chat_model_dir: Path, redis_url: str):
     """An executor and two scheduler replicas; yields (leader, standby, executor address)."""
     namespace = f"test-replicas-{uuid.uuid4().hex}"
-    executor, address = start_executor(tiny_chat_model_dir, namespace, drain_s=3)
+    executor, address = start_executor(tiny_chat_model_dir, namespace, redis=redis_url, drain_s=3)
     # One decode step a call: the tests pause and kill the leader mid-generation, and at
     # 8 steps a call the six requests could finish before the signal lands.
     flags = ("--lease-ttl", str(LEASE_TTL), "--num-decode-steps", "1")
-    first = start_scheduler(namespace, *flags)
-    wait_until(lambda: health(first[1])["leading"], 30, "the first replica leads")
-    second = start_scheduler(namespace, *flags)
-    yield first, second, address
-    for proc, _ in (first, second):
-        os.killpg(proc.pid, signal.SIGCONT)  # a test may leave one stopped
-        stop(proc)
-    stop(executor)
+    schedulers = []
+    try:
+        schedulers.append(start_scheduler(namespace, *flags, redis=redis_url))
+        wait_until(lambda: health(schedulers[0][1])["leading"], 30, "the first replica leads")
+        schedulers.append(start_scheduler(namespace, *flags, redis=redis_url))
+        yield schedulers[0], schedulers[1], address
+    finally:
+        for proc, _ in schedulers:
+            os.killpg(proc.pid, signal.SIGCONT)  # a test may leave one stopped
+            stop(proc)
+        stop(executor)
 
 
 def test_kill_9_of_the_leader_hands_over_to_the_standby(replicas, reference):

@@ -42,15 +42,20 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def deployment(tiny_chat_model_dir: Path, namespace: str):
+def deployment(tiny_chat_model_dir: Path, namespace: str, redis_url: str):
     """Two registered executors and a scheduler that finds them in Redis."""
-    executors = [start_executor(tiny_chat_model_dir, namespace, drain_s=6) for _ in range(2)]
-    scheduler, url = start_scheduler(namespace)
-    wait_executors(url, 2)
-    yield url, executors
-    stop(scheduler)
-    for proc, _ in executors:
-        stop(proc)
+    executors = [
+        start_executor(tiny_chat_model_dir, namespace, redis=redis_url, drain_s=6) for _ in range(2)
+    ]
+    procs = [proc for proc, _ in executors]
+    try:
+        scheduler, url = start_scheduler(namespace, redis=redis_url)
+        procs.insert(0, scheduler)
+        wait_executors(url, 2)
+        yield url, executors
+    finally:
+        for proc in procs:
+            stop(proc)
 
 
 def test_requests_spread_and_shared_prefixes_land_together(deployment, reference):
@@ -67,14 +72,14 @@ def test_requests_spread_and_shared_prefixes_land_together(deployment, reference
 
 
 def test_a_third_executor_added_under_load_takes_work(
-    deployment, namespace, tiny_chat_model_dir, reference
+    deployment, namespace, redis_url, tiny_chat_model_dir, reference
 ):
     url, _ = deployment
     third = None
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             early = [pool.submit(complete, url, p) for p in PROMPTS[:5]]
-            third, third_address = start_executor(tiny_chat_model_dir, namespace)
+            third, third_address = start_executor(tiny_chat_model_dir, namespace, redis=redis_url)
             wait_executors(url, 3)  # no restart: the scheduler found it in the registry
             late = [pool.submit(complete, url, p) for p in PROMPTS[5:]]
             texts = [f.result() for f in early + late]

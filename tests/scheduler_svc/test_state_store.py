@@ -6,8 +6,7 @@ import itertools
 import json
 import threading
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -19,52 +18,15 @@ from scheduler_svc.state_store import (
     StateStore,
     StepCommit,
 )
+from tests.conftest import delete_namespace
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def _redis_client() -> redis.Redis:
-    """A client that answers, or a failed test saying why: CI starts redis-server itself."""
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True, socket_timeout=2)
-    try:
-        client.ping()
-    except redis.ConnectionError as err:
-        pytest.fail(
-            f"no redis-server answers on {REDIS_URL} ({err}); start one with "
-            "`redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no`"
-        )
-    return client
+OpenStore = Callable[[str], RedisStateStore]
 
 
 @pytest.fixture
-def namespace() -> Iterator[str]:
-    """A fresh Redis namespace per test, its keys deleted afterwards."""
-    _redis_client().close()  # fail here, in setup, when no server answers
-    ns = f"test-{uuid.uuid4().hex}"
-    yield ns
-    _delete_namespace(ns)
-
-
-def _delete_namespace(namespace: str) -> None:
-    client = _redis_client()
-    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
-def _redis_store(namespace: str) -> RedisStateStore:
-    return RedisStateStore(REDIS_URL, namespace=namespace)
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
-    if request.param == "memory":
-        yield InMemoryStateStore()
-        return
-    redis_store = _redis_store(request.getfixturevalue("namespace"))
-    yield redis_store
-    redis_store.close()  # stops its event listener thread, if a test started one
+def redis_store(redis_url: str) -> OpenStore:
+    """Opens a RedisStateStore on the run's Redis under the given namespace."""
+    return lambda namespace: RedisStateStore(redis_url, namespace=namespace)
 
 
 def ev(i: int) -> str:
@@ -168,6 +130,25 @@ def test_a_group_taken_over_leaves_the_lane_it_moved_from(store: StateStore) -> 
     assert new.load().groups == {"g": "{}", "r": "{}"}
     assert old.commit(StepCommit(epoch, 3, upsert_groups={"g": "{}"}))  # back: no stale deltas
     assert old.load().groups["g"] == "{}"
+
+
+def test_the_in_process_store_forgets_finished_requests_after_their_ttl() -> None:
+    now = [0.0]
+    store = InMemoryStateStore(finished_ttl_s=60, clock=lambda: now[0])
+    epoch = store.begin_epoch()
+    for rid in ("a", "b"):
+        assert store.submit_request(rid, "{}")
+    lane = store.lane("x")
+    assert lane.commit(StepCommit(epoch, 1, upsert_groups={"a": "{}", "b": "{}"}))
+    events = [("a", "e1"), ("b", "e1")]
+    assert lane.commit(StepCommit(epoch, 2, delete_groups=["a"], events=events))
+    now[0] = 59
+    assert lane.commit(StepCommit(epoch, 3, events=[("b", "e2")]))
+    assert store.read_events("a") == [(1, "e1")] and store.get_request("a") == "{}"
+    now[0] = 61
+    assert lane.commit(StepCommit(epoch, 4, events=[("b", "e3")]))
+    assert store.read_events("a") == [] and store.get_request("a") is None
+    assert len(store.read_events("b")) == 3 and store.get_request("b") == "{}"  # still running
 
 
 def test_pending_step_and_clear_together_is_a_caller_error() -> None:
@@ -313,9 +294,11 @@ def test_concurrent_commits_stay_consistent(store: StateStore) -> None:
 
 
 @pytest.mark.redis
-def test_redis_namespaces_are_isolated(namespace: str) -> None:
+def test_redis_namespaces_are_isolated(
+    namespace: str, redis_store: OpenStore, redis_client: redis.Redis
+) -> None:
     other_ns = f"{namespace}-other"
-    store, other = _redis_store(namespace), _redis_store(other_ns)
+    store, other = redis_store(namespace), redis_store(other_ns)
     try:
         store.submit_request("r", "{}")
         epoch = store.begin_epoch()
@@ -325,17 +308,19 @@ def test_redis_namespaces_are_isolated(namespace: str) -> None:
         assert other.read_events("r") == []
         assert other.pending_requests() == []
         assert other.submit_request("r", "{}")
-        client = _redis_client()
+        client = redis_client
         assert all(key.startswith(f"{namespace}:") for key in client.scan_iter(f"{namespace}:*"))
         assert client.exists(f"{namespace}:meta", f"{namespace}:events:r") == 2
     finally:
-        _delete_namespace(other_ns)
+        delete_namespace(redis_client, other_ns)
 
 
 @pytest.mark.redis
-def test_redis_second_store_sees_the_first_ones_state(namespace: str) -> None:
+def test_redis_second_store_sees_the_first_ones_state(
+    namespace: str, redis_store: OpenStore
+) -> None:
     """What a scheduler restarted after kill -9 sees: everything committed, nothing else."""
-    first = _redis_store(namespace)
+    first = redis_store(namespace)
     first.submit_request("r1", '{"p": 1}')
     first.submit_request("r2", '{"p": 2}')
     epoch = first.begin_epoch()
@@ -350,7 +335,7 @@ def test_redis_second_store_sees_the_first_ones_state(namespace: str) -> None:
             new_requests_consumed=["r1"],
         )
     )
-    restarted = _redis_store(namespace)
+    restarted = redis_store(namespace)
     state = restarted.load()
     assert (state.epoch, state.last_commit_id) == (epoch, 5)
     assert state.meta == {"step_id": "5"}
@@ -367,10 +352,12 @@ def test_redis_second_store_sees_the_first_ones_state(namespace: str) -> None:
 
 
 @pytest.mark.redis
-def test_redis_group_written_by_an_older_version_still_reads_and_grows(namespace: str) -> None:
+def test_redis_group_written_by_an_older_version_still_reads_and_grows(
+    namespace: str, redis_store: OpenStore, redis_client: redis.Redis
+) -> None:
     """Older versions appended deltas to the hash value itself; after an upgrade such a
     group reads whole, takes deltas, and a snapshot or a delete clears both places."""
-    store, client = _redis_store(namespace), _redis_client()
+    store, client = redis_store(namespace), redis_client
     client.hset(f"{namespace}:groups", mapping={"old": '{"v": 0}\n{"v": 1}', "gone": "{}"})
     epoch = store.begin_epoch()
     assert store.commit(StepCommit(epoch, 1, append_groups={"old": '{"v": 2}'}))
@@ -385,10 +372,10 @@ def test_redis_group_written_by_an_older_version_still_reads_and_grows(namespace
 
 
 @pytest.mark.redis
-def test_redis_load_falls_between_two_commits(namespace: str) -> None:
+def test_redis_load_falls_between_two_commits(namespace: str, redis_store: OpenStore) -> None:
     """Snapshots and deltas are separate keys: a load racing a writer still sees, for every
     commit it counts, that commit's delta and no later one."""
-    store = _redis_store(namespace)
+    store = redis_store(namespace)
     epoch = store.begin_epoch()
     assert store.commit(StepCommit(epoch, 1, upsert_groups={"g": "{}"}))
     done = threading.Event()
@@ -411,25 +398,29 @@ def test_redis_load_falls_between_two_commits(namespace: str) -> None:
 
 
 @pytest.mark.redis
-def test_redis_drop_lane_deletes_its_keys(namespace: str) -> None:
-    root = _redis_store(namespace)
+def test_redis_drop_lane_deletes_its_keys(
+    namespace: str, redis_store: OpenStore, redis_client: redis.Redis
+) -> None:
+    root = redis_store(namespace)
     lane = root.lane("x")
     epoch = root.begin_epoch()
     assert lane.commit(StepCommit(epoch, 1, upsert_groups={"g": "{}"}, pending_step="{}"))
     assert lane.commit(StepCommit(epoch, 2, append_groups={"g": "{}"}))
     root.drop_lane("x")
     assert root.lane_names() == []
-    assert not list(_redis_client().scan_iter(match=f"{namespace}:lane:x:*"))
+    assert not list(redis_client.scan_iter(match=f"{namespace}:lane:x:*"))
 
 
 @pytest.mark.redis
-def test_redis_finished_request_keys_expire(namespace: str) -> None:
-    store = _redis_store(namespace)
+def test_redis_finished_request_keys_expire(
+    namespace: str, redis_store: OpenStore, redis_client: redis.Redis
+) -> None:
+    store = redis_store(namespace)
     store.submit_request("r", "{}")
     epoch = store.begin_epoch()
     store.commit(StepCommit(epoch, 1, upsert_groups={"r": "{}"}, new_requests_consumed=["r"]))
     store.commit(StepCommit(epoch, 2, delete_groups=["r"], events=[("r", ev(1))]))
-    client = _redis_client()
+    client = redis_client
     for key in (f"{namespace}:events:r", f"{namespace}:request:r"):
         assert 0 < client.pttl(key) <= 3600 * 1000
 
@@ -550,11 +541,13 @@ def test_lane_commits_reach_watchers_of_the_whole_store(store: StateStore) -> No
 
 
 @pytest.mark.redis
-def test_redis_listener_reconnects_and_tells_every_watcher(namespace: str) -> None:
+def test_redis_listener_reconnects_and_tells_every_watcher(
+    namespace: str, redis_store: OpenStore, redis_client: redis.Redis
+) -> None:
     """Pub/sub loses what is published while disconnected: after a reconnect every watcher
     hears that it may have missed events."""
-    store = _redis_store(namespace)
-    client = _redis_client()
+    store = redis_store(namespace)
+    client = redis_client
     try:
         epoch = store.begin_epoch()
         inbox = Inbox()

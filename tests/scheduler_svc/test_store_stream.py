@@ -24,7 +24,6 @@ from scheduler_svc.store_stream import (
 )
 from scheduler_svc.streams import RequestDelta, SeqDelta
 from scheduler_svc.wakeups import OnEvents
-from tests.scheduler_svc.test_state_store import namespace, store  # noqa: F401
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -85,7 +84,7 @@ async def collect(deltas: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
     return [d async for d in deltas]
 
 
-def test_stream_yields_the_leaders_events_in_order(store: StateStore) -> None:  # noqa: F811
+def test_stream_yields_the_leaders_events_in_order(store: StateStore) -> None:
     leader = FakeLeader(store)
     leader.start()
     # A long poll: only the store's wakes can make this finish in time.
@@ -102,7 +101,7 @@ def test_stream_yields_the_leaders_events_in_order(store: StateStore) -> None:  
     assert leader.aborted == [] and store.take_aborts(leader.epoch) == []
 
 
-def test_resume_after_an_event_and_reattach(store: StateStore) -> None:  # noqa: F811
+def test_resume_after_an_event_and_reattach(store: StateStore) -> None:
     leader = FakeLeader(store, gap_s=0)
     leader.start()
     record = request_record([9], PARAMS, time.time())
@@ -116,7 +115,7 @@ def test_resume_after_an_event_and_reattach(store: StateStore) -> None:  # noqa:
     assert store.get_request("r") == record and store.pending_requests() == []
 
 
-def test_early_close_asks_the_leader_to_abort(store: StateStore) -> None:  # noqa: F811
+def test_early_close_asks_the_leader_to_abort(store: StateStore) -> None:
     leader = FakeLeader(store, num_events=50, gap_s=0.02)
     leader.start()
     stream = StoreStream(store, poll_s=60.0)
@@ -137,7 +136,7 @@ def test_early_close_asks_the_leader_to_abort(store: StateStore) -> None:  # noq
     assert len(store.read_events("r")) < 50
 
 
-def test_cancelled_consumer_asks_for_an_abort(store: StateStore) -> None:  # noqa: F811
+def test_cancelled_consumer_asks_for_an_abort(store: StateStore) -> None:
     epoch = store.begin_epoch()
     stream = StoreStream(store, poll_s=60.0)
 
@@ -154,7 +153,7 @@ def test_cancelled_consumer_asks_for_an_abort(store: StateStore) -> None:  # noq
     assert [rid for rid, _ in store.pending_requests()] == ["r"]
 
 
-def test_one_door_streams_a_request_id_once(store: StateStore) -> None:  # noqa: F811
+def test_one_door_streams_a_request_id_once(store: StateStore) -> None:
     stream = StoreStream(store, poll_s=60.0)
 
     async def twice() -> None:
@@ -170,14 +169,14 @@ def test_one_door_streams_a_request_id_once(store: StateStore) -> None:  # noqa:
     run(twice())
 
 
-def test_resuming_an_unknown_request_raises(store: StateStore) -> None:  # noqa: F811
+def test_resuming_an_unknown_request_raises(store: StateStore) -> None:
     stream = StoreStream(store, poll_s=60.0)
     with pytest.raises(RequestVanishedError):
         run(collect(stream.generate("gone", [1], PARAMS, after_event=3)))
     assert store.pending_requests() == []  # a resume never submits
 
 
-def test_a_request_that_vanishes_while_followed_raises(store: StateStore) -> None:  # noqa: F811
+def test_a_request_that_vanishes_while_followed_raises(store: StateStore) -> None:
     epoch = store.begin_epoch()
     stream = StoreStream(store, poll_s=0.1)
 
@@ -214,7 +213,7 @@ class LossyStore:
 
 
 @pytest.mark.parametrize("keep", [2, 0])
-def test_lost_pushes_are_read_from_the_list(store: StateStore, keep: int) -> None:  # noqa: F811
+def test_lost_pushes_are_read_from_the_list(store: StateStore, keep: int) -> None:
     """Every 2nd push lost: the next one shows a gap and the stream reads the list. None
     arriving: the stream reads after each `poll_s`."""
     leader = FakeLeader(store, num_events=8, gap_s=0.03)
@@ -226,7 +225,7 @@ def test_lost_pushes_are_read_from_the_list(store: StateStore, keep: int) -> Non
     assert got[-1].finished
 
 
-def test_a_resume_past_the_last_event_raises_at_once(store: StateStore) -> None:  # noqa: F811
+def test_a_resume_past_the_last_event_raises_at_once(store: StateStore) -> None:
     leader = FakeLeader(store, gap_s=0)
     leader.start()
     store.submit_request("r", request_record([9], PARAMS, time.time()))
@@ -237,7 +236,7 @@ def test_a_resume_past_the_last_event_raises_at_once(store: StateStore) -> None:
     assert [d.event for d in run(collect(stream.generate("r", [9], PARAMS, 3)))] == [4]
 
 
-def test_a_known_id_with_another_body_is_a_conflict(store: StateStore) -> None:  # noqa: F811
+def test_a_known_id_with_another_body_is_a_conflict(store: StateStore) -> None:
     assert submit(store, "r", [1, 2], PARAMS, time.time(), owner="alice")
     assert not submit(store, "r", [1, 2], PARAMS, time.time(), owner="alice")
     assert request_owner(store, "r") == "alice" and request_owner(store, "gone") is None
