@@ -1,5 +1,5 @@
-"""Prometheus metrics of the scheduler, named as in DESIGN.md, summed over the engines of
-every executor and refreshed after each step."""
+"""Prometheus metrics of the scheduler, named as the README promises ("Observe"), summed
+over the engines of every executor and refreshed after each step."""
 
 from __future__ import annotations
 
