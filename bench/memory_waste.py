@@ -35,10 +35,10 @@ from bench.common import PRESETS, Trace, load_trace, pyplot, write_json
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
 from pagedserve.step import SeqOutput
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.output_processor import OutputProcessor
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass

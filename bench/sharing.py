@@ -84,7 +84,7 @@ def _sim_engine(args: argparse.Namespace, sim: SimConfig) -> Any:
 
 def _model_llm(args: argparse.Namespace, enable_prefix_caching: bool = False) -> Any:
     from pagedserve.offline import OfflineLLM
-    from pagedserve.settings import ExecutorConfig
+    from pagedserve.settings import EngineOptions, ExecutorConfig
 
     config = ExecutorConfig(
         model=args.model,
@@ -94,7 +94,7 @@ def _model_llm(args: argparse.Namespace, enable_prefix_caching: bool = False) ->
         max_model_len=args.max_model_len,
         seed=args.seed,
     )
-    return OfflineLLM(config, enable_prefix_caching=enable_prefix_caching)
+    return OfflineLLM(config, EngineOptions(enable_prefix_caching=enable_prefix_caching))
 
 
 def print_parallel(result: dict[str, Any]) -> None:

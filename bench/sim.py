@@ -19,8 +19,8 @@ from bench.common import Trace, progress
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, PreemptionMode, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqOutput, StepResult
-from scheduler_svc.engine import LLMEngine
-from scheduler_svc.sequence import SequenceStatus
+from scheduler_svc.core.sequence import SequenceStatus
+from scheduler_svc.engine.engine import LLMEngine
 
 TOKEN_OFFSET = 100  # pseudo-token i is token id TOKEN_OFFSET + i: clear of special tokens
 

@@ -61,8 +61,8 @@ from bench.common import (
 )
 from bench.launch import NO_VLLM, free_port, pagedserve_server, redis_url
 from pagedserve.model_info import ExecutorStats
-from pagedserve.settings import SchedulerConfig
-from scheduler_svc.executor_client import ExecutorClient
+from pagedserve.settings import EngineOptions
+from scheduler_svc.engine.executor_client import ExecutorClient
 
 SYSTEMS = ("pagedserve", "services", "hf", "hf-cb", "vllm")
 ROUNDED = ("pagedserve", "services", "vllm")  # the whole trace each, minutes a run
@@ -75,7 +75,7 @@ def run_inprocess(trace: Trace, args: argparse.Namespace) -> Run:
     from pagedserve.settings import ExecutorConfig
 
     config = ExecutorConfig(**engine_flags(args), seed=args.seed)
-    llm = OfflineLLM(config, num_decode_steps=args.num_decode_steps)
+    llm = OfflineLLM(config, EngineOptions(num_decode_steps=args.num_decode_steps))
     try:
         run = time_offline(llm, trace)
     finally:
@@ -316,7 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--num-decode-steps",
         type=int,
-        default=SchedulerConfig.num_decode_steps,
+        default=EngineOptions.num_decode_steps,
         help="decode steps per Execute call of both pagedserves (1: one step a call)",
     )
     p.add_argument("--hf-requests", type=int, default=32, help="hf runs only the first N")

@@ -10,7 +10,7 @@ import torch
 from executor_svc import host_memory
 from executor_svc.cache_engine import CacheEngine, CacheShape
 from executor_svc.model_runner import ModelRunner
-from executor_svc.parallel import Shard, check_divisible
+from executor_svc.parallel import Shard, check_divisible, pick_device
 from executor_svc.sampler import Sampler
 from executor_svc.weights import load_model
 from executor_svc.workers import WorkerGroup
@@ -47,7 +47,7 @@ class Executor:
         if shard is None and world_size > 1:
             check_divisible(hf_config, world_size)
             pick_device(config.device, world_size - 1, world_size)  # enough GPUs?
-            self.workers = WorkerGroup(config, self.device)
+            self.workers = WorkerGroup(Executor, config, self.device)
             shard = self.workers.shard
         self.shard = shard
         self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, shard)
@@ -165,23 +165,6 @@ class _NoSampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[SeqStep]) -> list[SeqOutput]:
         return [SeqOutput(seq.seq_id, [], []) for seq in seqs]
-
-
-def pick_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
-    """The device ``name`` names; under tensor parallelism rank r takes the r-th GPU
-    from the named one on."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda" or world_size == 1:
-        return device
-    index = (device.index or 0) + rank
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"tensor_parallel_size {world_size} from {device} needs GPU {index}, "
-            f"but {torch.cuda.device_count()} are visible"
-        )
-    return torch.device("cuda", index)
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -121,3 +121,20 @@ def join_group(rank: int, world_size: int, store: dist.Store, device: torch.devi
     else:
         group = dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
     return Shard(rank, world_size, group)
+
+
+def pick_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device ``name`` names; under tensor parallelism rank r takes the r-th GPU
+    from the named one on."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda" or world_size == 1:
+        return device
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {world_size} from {device} needs GPU {index}, "
+            f"but {torch.cuda.device_count()} are visible"
+        )
+    return torch.device("cuda", index)

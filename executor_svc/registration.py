@@ -10,34 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
-from dataclasses import dataclass
 
 import structlog
 
 from pagedserve.registry import ExecutorRecord, ExecutorRegistry, drain_deadline
+from pagedserve.settings import RegistrationOptions
 
 log = structlog.get_logger("executor_svc.registration")
-
-
-@dataclass(frozen=True, slots=True)
-class RegistrationOptions:
-    """Where and how an executor registers (`pagedserve executor --state-store ...`)."""
-
-    state_store: str  # redis://HOST:PORT/DB
-    namespace: str = "pagedserve"
-    advertise_address: str = ""  # what schedulers dial; default: the listen address
-    drain_timeout_s: float = 60.0  # longest a SIGTERM'd executor waits to be released
-    heartbeat_ttl_s: float = 3.0
-
-    def address(self, host: str, port: int) -> str:
-        """The address to register: the advertised one, else the listen address (a
-        wildcard listen address is replaced by this host's IP)."""
-        if self.advertise_address:
-            return self.advertise_address
-        if host in ("", "0.0.0.0", "::", "[::]"):
-            host = socket.gethostbyname(socket.gethostname())
-        return f"{host}:{port}"
 
 
 class Registration:

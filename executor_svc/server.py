@@ -20,7 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from executor_svc import host_memory
 from executor_svc.executor import Executor
 from executor_svc.metrics import ExecutorMetrics
-from executor_svc.registration import Registration, RegistrationOptions
+from executor_svc.registration import Registration
 from executor_svc.step_guard import (
     InvalidArgument,
     PreconditionFailed,
@@ -40,7 +40,7 @@ from pagedserve.rpc.convert import (
 )
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
-from pagedserve.settings import ExecutorConfig
+from pagedserve.settings import ExecutorConfig, RegistrationOptions
 from pagedserve.step import ExecuteStep, StepResult
 
 log = structlog.get_logger("executor_svc.server")

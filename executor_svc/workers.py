@@ -20,26 +20,31 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from executor_svc.parallel import join_group
+from executor_svc.parallel import Shard, join_group, pick_device
 from pagedserve.settings import ExecutorConfig
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
-
-    from executor_svc.executor import Executor
 
 log = structlog.get_logger("executor_svc.workers")
 
 STOP_TIMEOUT_S = 10.0  # how long a worker gets to exit after "stop" before it is killed
 # The commands a worker applies; each names a method of its Executor.
 COMMANDS = ("init_cache", "execute", "copy_blocks", "swap_blocks")
+
+
+class RankExecutor(Protocol):
+    """What a worker builds from its shard and applies COMMANDS to: the Executor class,
+    passed in so that this module does not import the one that imports it."""
+
+    def __call__(self, config: ExecutorConfig, shard: Shard) -> object: ...
 
 
 class WorkerFailed(RuntimeError):
@@ -49,7 +54,9 @@ class WorkerFailed(RuntimeError):
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: their processes, pipes and a watchdog."""
 
-    def __init__(self, config: ExecutorConfig, device: torch.device) -> None:
+    def __init__(
+        self, executor: RankExecutor, config: ExecutorConfig, device: torch.device
+    ) -> None:
         """Start the workers and join the group with them as rank 0 (blocks until they
         have joined; they load their shards in parallel with ours)."""
         world_size = config.tensor_parallel_size
@@ -62,7 +69,7 @@ class WorkerGroup:
             ours, theirs = context.Pipe()
             proc = context.Process(
                 target=_worker_main,
-                args=(config, rank, store.port, theirs),
+                args=(executor, config, rank, store.port, theirs),
                 name=f"pagedserve-tp-rank{rank}",
                 daemon=True,
             )
@@ -133,10 +140,11 @@ class WorkerGroup:
         self.fail(f"{proc.name} (pid {proc.pid}) exited with {proc.exitcode}")
 
 
-def _worker_main(config: ExecutorConfig, rank: int, port: int, conn: Connection) -> None:
+def _worker_main(
+    executor_class: RankExecutor, config: ExecutorConfig, rank: int, port: int, conn: Connection
+) -> None:
     """A worker's whole life: join the group, load its shard, apply commands until told to
     stop or rank 0 goes away. Any error ends the process (rank 0 then fails loudly)."""
-    from executor_svc.executor import Executor, pick_device
     from pagedserve.log import configure_logging
 
     # Only rank 0 stops us: a signal to the whole process group must not kill a worker
@@ -154,7 +162,7 @@ def _worker_main(config: ExecutorConfig, rank: int, port: int, conn: Connection)
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False)
     shard = join_group(rank, config.tensor_parallel_size, store, device)
     try:
-        executor = Executor(config, shard)
+        executor = executor_class(config, shard)
         conn.send("ready")
         _serve_commands(executor, conn)
     except Exception:
@@ -166,7 +174,7 @@ def _worker_main(config: ExecutorConfig, rank: int, port: int, conn: Connection)
     os._exit(0)
 
 
-def _serve_commands(executor: Executor, conn: Connection) -> None:
+def _serve_commands(executor: object, conn: Connection) -> None:
     while True:
         try:
             name, args = conn.recv()

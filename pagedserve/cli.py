@@ -8,11 +8,25 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.settings import SERVING_DECODE_STEPS_QUIET_S, SchedulerConfig
+from pagedserve.flags import add_flags, apply_environment, from_args
+from pagedserve.settings import (
+    ApiConfig,
+    EngineOptions,
+    ExecutorConfig,
+    RegistrationOptions,
+    SchedulerOptions,
+)
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows the defaults."""
+    return sub.add_parser(
+        name, help=summary, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="run the engine in this process on prompts, offline")
+    p = _command(sub, "generate", "run the engine in this process on prompts, offline")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt, sent as plain text")
     src.add_argument(
@@ -30,8 +44,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam-width", type=int, default=None, help="beam search with this width")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON line per request")
-    _add_executor_flags(p)
-    _add_engine_flags(p)
+    add_flags(p, ExecutorConfig, skip=("seed",))  # --seed is the requests' own here
+    add_flags(p, EngineOptions, skip=("decode_steps_quiet_s",))  # nothing arrives later
     p.set_defaults(func=_run_generate)
 
 
@@ -77,16 +91,9 @@ def _read_requests(args: argparse.Namespace) -> list:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve.offline import OfflineLLM
-    from pagedserve.settings import PreemptionMode
 
     requests = _read_requests(args)
-    llm = OfflineLLM(
-        _executor_config(args),
-        preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        num_decode_steps=args.num_decode_steps,
-    )
+    llm = OfflineLLM(from_args(ExecutorConfig, args), from_args(EngineOptions, args))
     try:
         results = llm.generate(requests)
     finally:
@@ -108,84 +115,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_executor_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="SmolLM2-135M-Instruct",
-        help="default model name, checkpoint directory or .gguf file",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
-    p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool in GiB")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over N worker processes (one GPU each); N divides the heads",
-    )
-
-
-def _executor_config(args: argparse.Namespace):  # -> ExecutorConfig, imported lazily
-    from pagedserve.settings import ExecutorConfig
-
-    return ExecutorConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        swap_space=args.swap_space,
-        max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument(
-        "--num-decode-steps",
-        type=int,
-        default=SchedulerConfig.num_decode_steps,
-        help="decode steps run in a row per executor call when nothing waits (1: off)",
-    )
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
-    p.add_argument("--enable-prefix-caching", action="store_true")
-
-
 def _add_executor(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("executor", help="serve the model and the paged KV cache over gRPC")
+    p = _command(sub, "executor", "serve the model and the paged KV cache over gRPC")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument(
-        "--state-store",
-        default=None,
-        help="redis://HOST:PORT/DB: register there for schedulers to find (and drain on "
-        "SIGTERM); default: no registration, schedulers dial --executor",
-    )
-    p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
-    p.add_argument(
-        "--advertise-address",
-        default=os.environ.get("PAGEDSERVE_ADVERTISE_ADDRESS", ""),
-        help="HOST:PORT schedulers dial (env PAGEDSERVE_ADVERTISE_ADDRESS); default: --host:--port",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a SIGTERM'd executor keeps serving its requests before it exits",
-    )
+    p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument(
         "--metrics-port",
         type=int,
         default=9100,
         help="serve Prometheus metrics on this port (0: off)",
     )
-    _add_executor_flags(p)
+    add_flags(p, RegistrationOptions)
+    add_flags(p, ExecutorConfig)
     p.set_defaults(func=_run_executor)
 
 
@@ -196,16 +137,9 @@ def _run_executor(args: argparse.Namespace) -> int:
     configure_logging()
     registration = None
     if args.state_store is not None:
-        from executor_svc.registration import RegistrationOptions
-
-        registration = RegistrationOptions(
-            state_store=args.state_store,
-            namespace=args.namespace,
-            advertise_address=args.advertise_address,
-            drain_timeout_s=args.drain_timeout,
-        )
+        registration = from_args(RegistrationOptions, args)
     return serve(
-        _executor_config(args),
+        from_args(ExecutorConfig, args),
         host=args.host,
         port=args.port,
         registration=registration,
@@ -213,120 +147,45 @@ def _run_executor(args: argparse.Namespace) -> int:
     )
 
 
-def _add_api_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument(
-        "--state-store",
-        default=None,
-        help="redis://HOST:PORT/DB to survive restarts; default: in this process",
-    )
-    p.add_argument("--namespace", default="pagedserve", help="Redis key prefix")
-    p.add_argument(
-        "--store-budget",
-        type=float,
-        default=30.0,
-        help="seconds a stream waits out an unreachable --state-store before it ends with "
-        "an error event (the request goes on; resume it with Last-Event-ID)",
-    )
-    p.add_argument(
-        "--grpc-port",
-        type=int,
-        default=None,
-        help="also serve the gRPC Generate front door on this port",
-    )
-    p.add_argument(
-        "--decode-steps-quiet",
-        type=float,
-        default=SERVING_DECODE_STEPS_QUIET_S,
-        help="seconds without a new request before --num-decode-steps apply: while "
-        "requests keep arriving each executor call is one step (shorter waits to start)",
-    )
-    _add_engine_flags(p)
-
-
 def _add_scheduler(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scheduler", help="run the engine loop and the OpenAI-compatible API")
-    p.add_argument(
-        "--executor",
-        action="append",
-        default=None,
-        help="executor HOST:PORT, repeatable; default: the executors registered in "
-        "--state-store, else 127.0.0.1:50051",
-    )
-    p.add_argument("--tokenizer", default=None, help="default: the executor's model")
-    p.add_argument(
-        "--routing",
-        choices=["prefix", "round-robin"],
-        default="prefix",
-        help="how a new request picks among several executors: the one holding the longest "
-        "prefix of its prompt, then the most free blocks; or each in turn",
-    )
-    p.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=3.0,
-        help="with --state-store: seconds before a standby replica takes over from a "
-        "silent engine leader",
-    )
-    _add_api_flags(p)
+    p = _command(sub, "scheduler", "run the engine loop and the OpenAI-compatible API")
+    add_flags(p, ApiConfig)
+    add_flags(p, SchedulerOptions)
+    add_flags(p, EngineOptions)
     p.set_defaults(func=_run_scheduler)
-
-
-def _scheduler_options(args: argparse.Namespace, executors: list[str]):
-    from pagedserve.settings import PreemptionMode
-    from scheduler_svc.service import SchedulerOptions
-
-    return SchedulerOptions(
-        executors=tuple(executors),
-        tokenizer=getattr(args, "tokenizer", None),
-        max_num_seqs=args.max_num_seqs,
-        num_decode_steps=args.num_decode_steps,
-        decode_steps_quiet_s=args.decode_steps_quiet,
-        preemption_mode=PreemptionMode(args.preemption_mode) if args.preemption_mode else None,
-        enable_prefix_caching=args.enable_prefix_caching,
-        state_store=args.state_store,
-        namespace=args.namespace,
-        grpc_port=args.grpc_port,
-        lease_ttl=getattr(args, "lease_ttl", 3.0),
-        store_budget_s=args.store_budget,
-        routing=getattr(args, "routing", "prefix"),
-    )
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
     import asyncio
 
     from pagedserve.log import configure_logging
-    from pagedserve.settings import ApiConfig
     from scheduler_svc.service import serve
 
     configure_logging()
-    api = ApiConfig(host=args.host, port=args.port, api_key=args.api_key)
-    return asyncio.run(serve(_scheduler_options(args, args.executor or []), api))
+    return asyncio.run(serve(from_args(SchedulerOptions, args), from_args(ApiConfig, args)))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="executor and scheduler together on this machine")
-    p.add_argument("--executor-port", type=int, default=50051)
+    p = _command(sub, "serve", "executor and scheduler together on this machine")
+    p.add_argument("--executor-port", type=int, default=50051, help="the executor's gRPC port")
     p.add_argument(
         "--executor-metrics-port",
         type=int,
         default=9100,
         help="the executor's Prometheus metrics port (0: off)",
     )
-    _add_api_flags(p)
-    _add_executor_flags(p)
+    add_flags(p, ApiConfig)
+    add_flags(p, SchedulerOptions, skip=("executors", "tokenizer", "routing"))
+    add_flags(p, EngineOptions)
+    add_flags(p, ExecutorConfig)
     p.set_defaults(func=_run_serve)
 
 
 # libgomp's spins before an idle OpenMP worker sleeps, for the executor `serve` starts. At the
-# default (300,000) the executor's worker spun on for milliseconds after each step, on a core the
-# scheduler, Redis and the clients on the same machine needed while the step's results went
-# round; 20,000 still spans the gaps between one step's parallel regions. sharegpt-60 through
-# `bench/throughput.py --systems services`, alternating: 105.7 and 102.7 s at the default,
-# 94.1 and 98.1 s at 20,000. An executor on its own machine has no one to yield to.
+# default the executor's idle worker keeps spinning after each step, on a core the scheduler,
+# Redis and the clients on the same machine need while the step's results go round; 20,000
+# still spans the gaps between one step's parallel regions. An executor on its own machine has
+# no one to yield to.
 SERVE_GOMP_SPINCOUNT = "20000"
 
 
@@ -340,11 +199,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     """Start the executor as a child process, then the scheduler here; stop both together."""
     import subprocess
 
-    flags = [
-        f"--{k.replace('_', '-')}={v}"
-        for k, v in vars(_executor_config(args)).items()
-        if v is not None and k != "seed"
-    ]
+    config = from_args(ExecutorConfig, args)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(config).items() if v is not None]
     executor = subprocess.Popen(
         [
             sys.executable,
@@ -360,7 +216,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     try:
         return _run_scheduler(
-            argparse.Namespace(**vars(args), executor=[f"127.0.0.1:{args.executor_port}"])
+            argparse.Namespace(**vars(args), executors=[f"127.0.0.1:{args.executor_port}"])
         )
     finally:
         executor.terminate()
@@ -369,13 +225,17 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pagedserve", description="LLM serving on a paged KV cache (PagedAttention)."
+        prog="pagedserve",
+        description="LLM serving on a paged KV cache (PagedAttention).",
+        epilog="Every flag can also be set by an environment variable named after it: "
+        "--max-num-seqs by PAGEDSERVE_MAX_NUM_SEQS, --api-key by PAGEDSERVE_API_KEY.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_executor(sub)
     _add_scheduler(sub)
     _add_serve(sub)
+    apply_environment(parser, os.environ)
     return parser
 
 

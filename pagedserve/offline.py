@@ -1,16 +1,24 @@
-"""In-process generation: executor and engine in one process, no services."""
+"""In-process generation: executor and engine in one process, no services.
+
+It wires both services, as the CLI does, so it imports them only when an OfflineLLM is
+built: `pagedserve/` stays the base that the services import, never the other way round.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import CacheConfig, ExecutorConfig, PreemptionMode, SchedulerConfig
-from scheduler_svc.sequence import SequenceGroup
+from pagedserve.settings import EngineOptions, ExecutorConfig
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.sequence import SequenceGroup
 
 
 @dataclass(slots=True)
@@ -44,36 +52,20 @@ class OfflineLLM:
     """Loads the model once; ``generate`` runs a batch of requests to completion."""
 
     def __init__(
-        self,
-        executor_config: ExecutorConfig,
-        preemption_mode: PreemptionMode | None = None,
-        enable_prefix_caching: bool = False,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        num_decode_steps: int = SchedulerConfig.num_decode_steps,
+        self, executor_config: ExecutorConfig, engine: EngineOptions | None = None
     ) -> None:
         from executor_svc.executor import Executor
         from pagedserve.model_files import load_tokenizer
-        from scheduler_svc.detokenizer import Detokenizer
-        from scheduler_svc.engine import LLMEngine
+        from scheduler_svc.engine.detokenizer import Detokenizer
+        from scheduler_svc.engine.engine import LLMEngine
 
         self.executor = Executor(executor_config)
         self.tokenizer = load_tokenizer(self.executor.model_path)  # None: token ids only
         info = self.executor.init_cache()
         self.info = info
-        cache_config = CacheConfig(
-            block_size=info.block_size,
-            num_gpu_blocks=info.num_gpu_blocks,
-            num_cpu_blocks=info.num_cpu_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(8192, info.max_model_len),
-            max_model_len=info.max_model_len,
-            preemption_mode=preemption_mode,
-            num_decode_steps=num_decode_steps,
-        )
+        # Every request is here from the start: no arrival to wait for between steps.
+        offline = dataclasses.replace(engine or EngineOptions(), decode_steps_quiet_s=0.0)
+        cache_config, scheduler_config = offline.configs(info)
         detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.engine = LLMEngine(
             self.executor, cache_config, scheduler_config, info.eos_token_id, detokenizer

@@ -1,10 +1,18 @@
-"""Configuration: one frozen dataclass per concern, validated on construction."""
+"""Configuration: one frozen dataclass per concern, validated on construction.
+
+``*Options`` hold what a user sets for one process; each field with a ``help`` is also a
+command-line flag and a ``PAGEDSERVE_*`` environment variable (``pagedserve/flags.py``).
+``*Config`` are what a component runs on, resolved from options and the executor's answers.
+"""
 
 from __future__ import annotations
 
 import enum
 import os
+import socket
 from dataclasses import dataclass, field
+
+from pagedserve.model_info import ModelInfo
 
 
 class PreemptionMode(enum.Enum):
@@ -14,8 +22,9 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = "recompute"
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, flag: str | None = None, choices: tuple[str, ...] = ()) -> dict[str, object]:
+    """Field metadata that makes it a flag: ``--flag`` (default: the field's name)."""
+    return {"help": text, "flag": flag, "choices": choices}
 
 
 @dataclass(frozen=True)
@@ -42,38 +51,20 @@ class CacheConfig:
 
 
 # A server's decode_steps_quiet_s: requests arriving every second or two (light online
-# traffic) keep each call to one step. At alpaca's rates of 0.5-2 requests/s, 8 steps a call
-# raised the time to first token from 0.03-0.06 s (p50) to 0.04-0.15 s.
+# traffic) keep each call to one step.
 SERVING_DECODE_STEPS_QUIET_S = 2.0
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Budgets of one engine step and the preemption policy."""
+    """Budgets of one engine step and the preemption policy (see EngineOptions)."""
 
-    max_num_seqs: int = field(default=256, metadata=_help("sequences running at once"))
-    max_num_batched_tokens: int = field(
-        default=4096, metadata=_help("tokens computed in one step (prefill + decode)")
-    )
-    max_model_len: int = field(default=2048, metadata=_help("prompt + output tokens per sequence"))
-    preemption_mode: PreemptionMode | None = field(
-        default=None,
-        metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
-    )
-    num_decode_steps: int = field(
-        default=8,
-        metadata=_help(
-            "decode steps an executor runs in a row when only decodes are scheduled and "
-            "nothing waits (one scheduler round trip and commit for all of them)"
-        ),
-    )
-    decode_steps_quiet_s: float = field(
-        default=0.0,
-        metadata=_help(
-            "seconds without a new request before decode steps run in a row: while requests "
-            "keep arriving each call is one step, so a newcomer waits one step, not several"
-        ),
-    )
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    preemption_mode: PreemptionMode | None = None
+    num_decode_steps: int = 8
+    decode_steps_quiet_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -89,6 +80,60 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or a long prompt could never run"
             )
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a user tunes of each engine; the rest comes from the executor it drives."""
+
+    max_num_seqs: int = field(default=256, metadata=_help("sequences running at once"))
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "tokens computed in one step (prefill + decode); default: 8192 or the model's "
+            "max_model_len if longer"
+        ),
+    )
+    num_decode_steps: int = field(
+        default=8,
+        metadata=_help(
+            "decode steps an executor runs in a row when only decodes are scheduled and "
+            "nothing waits (one scheduler round trip and commit for all of them; 1: off)"
+        ),
+    )
+    decode_steps_quiet_s: float = field(
+        default=SERVING_DECODE_STEPS_QUIET_S,
+        metadata=_help(
+            "seconds without a new request before --num-decode-steps apply: while requests "
+            "keep arriving each executor call is one step, so a newcomer waits one step",
+            flag="decode_steps_quiet",
+        ),
+    )
+    preemption_mode: PreemptionMode | None = field(
+        default=None,
+        metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
+    )
+    enable_prefix_caching: bool = field(
+        default=False, metadata=_help("reuse computed blocks of identical prompt prefixes")
+    )
+
+    def configs(self, info: ModelInfo) -> tuple[CacheConfig, SchedulerConfig]:
+        """The engine's configuration for an executor that answered ``info``."""
+        cache = CacheConfig(
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, info.max_model_len),
+            max_model_len=info.max_model_len,
+            preemption_mode=self.preemption_mode,
+            num_decode_steps=self.num_decode_steps,
+            decode_steps_quiet_s=self.decode_steps_quiet_s,
+        )
+        return cache, scheduler
 
 
 @dataclass(frozen=True)
@@ -115,7 +160,7 @@ class ExecutorConfig:
     max_model_len: int | None = field(
         default=None, metadata=_help("longest sequence; default: the model's own limit")
     )
-    seed: int = field(default=0, metadata=_help("seed of unseeded sampling"))
+    seed: int = field(default=0, metadata=_help("seed of sampling requests that carry none"))
     tensor_parallel_size: int = field(
         default=1,
         metadata=_help("worker processes (one per GPU) splitting heads and MLP columns"),
@@ -144,14 +189,20 @@ class ApiConfig:
     port: int = field(default=8000, metadata=_help("HTTP port"))
     api_key: str | None = field(
         default=None,
-        metadata=_help("when set, every route but /health and the /dashboard page requires it"),
+        metadata=_help(
+            "require 'Authorization: Bearer KEY' on every route but /health and the "
+            "/dashboard page (PAGEDSERVE_API_KEY keeps it out of the process list)"
+        ),
     )
     max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
     max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))
     max_body_bytes: int = field(default=4 << 20, metadata=_help("largest request body"))
     executor_budget_s: float = field(
         default=30.0,
-        metadata=_help("refuse new requests (503) once the executor is away this long"),
+        metadata=_help(
+            "refuse new requests (503) once the executor is away this many seconds",
+            flag="executor_budget",
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -159,6 +210,93 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_n < 1 or self.max_logprobs < 0 or self.max_body_bytes < 1:
             raise ValueError("max_n >= 1, max_logprobs >= 0 and max_body_bytes >= 1 required")
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """The scheduler process: where its executors and its state are, and how it leads."""
+
+    executors: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "executor HOST:PORT, repeatable; default: the executors registered in "
+            "--state-store, else 127.0.0.1:50051",
+            flag="executor",
+        ),
+    )
+    tokenizer: str | None = field(default=None, metadata=_help("default: the executor's model"))
+    routing: str = field(
+        default="prefix",
+        metadata=_help(
+            "how a new request picks among several executors: the one holding the longest "
+            "prefix of its prompt, then the most free blocks; or each in turn",
+            choices=("prefix", "round-robin"),
+        ),
+    )
+    state_store: str | None = field(
+        default=None,
+        metadata=_help("redis://HOST:PORT/DB to survive restarts; default: in this process"),
+    )
+    namespace: str = field(default="pagedserve", metadata=_help("Redis key prefix"))
+    lease_ttl: float = field(
+        default=3.0,
+        metadata=_help(
+            "with --state-store: seconds before a standby replica takes over from a silent "
+            "engine leader"
+        ),
+    )
+    store_budget_s: float = field(
+        default=30.0,
+        metadata=_help(
+            "seconds a stream waits out an unreachable --state-store before it ends with an "
+            "error event (the request goes on; resume it with Last-Event-ID)",
+            flag="store_budget",
+        ),
+    )
+    grpc_port: int | None = field(
+        default=None, metadata=_help("also serve the gRPC Generate front door on this port")
+    )
+    connect_timeout_s: float = field(
+        default=600.0,
+        metadata=_help(
+            "seconds to wait for an executor to answer (it may still be loading its model)",
+            flag="connect_timeout",
+        ),
+    )
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+
+@dataclass(frozen=True)
+class RegistrationOptions:
+    """Where and how an executor registers for schedulers to find it."""
+
+    state_store: str = field(
+        metadata=_help(
+            "redis://HOST:PORT/DB: register there for schedulers to find (and drain on "
+            "SIGTERM); default: no registration, schedulers dial --executor"
+        )
+    )
+    namespace: str = field(default="pagedserve", metadata=_help("Redis key prefix"))
+    advertise_address: str = field(
+        default="", metadata=_help("HOST:PORT schedulers dial; default: --host:--port")
+    )
+    drain_timeout_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds a SIGTERM'd executor keeps serving its requests before it exits",
+            flag="drain_timeout",
+        ),
+    )
+    heartbeat_ttl_s: float = 3.0
+
+    def address(self, host: str, port: int) -> str:
+        """The address to register: the advertised one, else the listen address (a
+        wildcard listen address is replaced by this host's IP)."""
+        if self.advertise_address:
+            return self.advertise_address
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"{host}:{port}"
 
 
 def crash_point() -> tuple[str, int] | None:

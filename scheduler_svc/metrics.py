@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from scheduler_svc.engine import LLMEngine, StepOutcome
-from scheduler_svc.request_stats import RequestTracker, StepSummary
+from scheduler_svc.engine.engine import LLMEngine, StepOutcome
+from scheduler_svc.engine.request_stats import RequestTracker, StepSummary
 
 SLOT_UTILIZATION_PERIOD_S = 1.0  # its walk over every block table runs at most this often
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

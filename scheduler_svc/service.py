@@ -6,55 +6,30 @@ import asyncio
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 import uvicorn
 
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.registry import ExecutorRegistry
-from pagedserve.settings import (
-    SERVING_DECODE_STEPS_QUIET_S,
-    ApiConfig,
-    CacheConfig,
-    PreemptionMode,
-    SchedulerConfig,
-)
+from pagedserve.settings import ApiConfig, SchedulerOptions
 from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, ModelCard, build_app
-from scheduler_svc.async_engine import AsyncEngine, Fleet
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.engine import IdCounter, LLMEngine
-from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
-from scheduler_svc.journal import Journal
-from scheduler_svc.leader import lease_for
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.engine.detokenizer import Detokenizer
+from scheduler_svc.engine.engine import IdCounter, LLMEngine
+from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.engine.lane_set import Fleet
+from scheduler_svc.engine.reconnect import ReconnectingExecutor
+from scheduler_svc.engine.step_observer import StepObservers
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.reconnect import ReconnectingExecutor
-from scheduler_svc.redis_store import RedisStateStore
-from scheduler_svc.state_store import InMemoryStateStore, StateStore
-from scheduler_svc.step_observer import StepObservers
+from scheduler_svc.state.journal import Journal
+from scheduler_svc.state.leader import lease_for
+from scheduler_svc.state.redis_store import RedisStateStore
+from scheduler_svc.state.state_store import InMemoryStateStore, StateStore
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    executors: tuple[str, ...] = ()  # HOST:PORT each; default: registered ones, else local
-    tokenizer: str | None = None  # default: the executors' model
-    connect_timeout: float = 600.0  # the executor may still be loading its model
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    num_decode_steps: int = SchedulerConfig.num_decode_steps
-    decode_steps_quiet_s: float = SERVING_DECODE_STEPS_QUIET_S
-    preemption_mode: PreemptionMode | None = None
-    enable_prefix_caching: bool = False
-    state_store: str | None = None  # redis://HOST:PORT/DB; default: in this process
-    namespace: str = "pagedserve"  # Redis key prefix of this deployment
-    grpc_port: int | None = None  # the gRPC Generate front door; None: HTTP only
-    lease_ttl: float = 3.0  # seconds a silent engine leader keeps the lease (with Redis)
-    store_budget_s: float = 30.0  # a stream waits out an unreachable store this long
-    routing: str = "prefix"  # or "round-robin": how a new request picks its executor
 
 
 class EngineFactory:
@@ -77,7 +52,7 @@ class EngineFactory:
         """Wait for the executor, allocate its pools (idempotent), build its engine."""
         options = self.options
         client = ExecutorClient(address)
-        _wait_for_answer(client, options.connect_timeout)
+        _wait_for_answer(client, options.connect_timeout_s)
         info = client.init_cache()  # a restarted scheduler gets the same pools
         if self.card is None:
             tokenizer = load_tokenizer(resolve_model(options.tokenizer or info.model))
@@ -87,20 +62,7 @@ class EngineFactory:
             self.card = ModelCard(info.model, info.vocab_size, info.max_model_len)
         elif info.model != self.card.name:
             raise ValueError(f"executor {address} serves {info.model}, not {self.card.name}")
-        cache_config = CacheConfig(
-            block_size=info.block_size,
-            num_gpu_blocks=info.num_gpu_blocks,
-            num_cpu_blocks=info.num_cpu_blocks,
-            enable_prefix_caching=options.enable_prefix_caching,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens or max(8192, info.max_model_len),
-            max_model_len=info.max_model_len,
-            preemption_mode=options.preemption_mode,
-            num_decode_steps=options.num_decode_steps,
-            decode_steps_quiet_s=options.decode_steps_quiet_s,
-        )
+        cache_config, scheduler_config = options.engine.configs(info)
         store = self.store if address == self.root_lane else self.store.lane(address)
         log.info(
             "executor ready",
@@ -179,7 +141,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     # this replica leads no lane.
     first = executors[0] if executors else None
     if first is None:
-        first = await asyncio.to_thread(_first_registered, registry, options.connect_timeout)
+        first = await asyncio.to_thread(_first_registered, registry, options.connect_timeout_s)
     template = await asyncio.to_thread(factory.open_engine, first)
     fleet = Fleet(factory.open_engine, executors, registry)
     lease = lease_for(store, options.lease_ttl) if registry is not None else None

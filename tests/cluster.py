@@ -13,7 +13,7 @@ import httpx
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ExecutorConfig
-from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.engine.executor_client import ExecutorClient
 from tests.services import free_port, start, wait_healthy
 
 MAX_TOKENS = 48

@@ -12,8 +12,8 @@ import pytest
 import redis
 import torch
 
-from scheduler_svc.redis_store import RedisStateStore
-from scheduler_svc.state_store import InMemoryStateStore, StateStore
+from scheduler_svc.state.redis_store import RedisStateStore
+from scheduler_svc.state.state_store import InMemoryStateStore, StateStore
 from tests.redis_server import RedisServer
 
 

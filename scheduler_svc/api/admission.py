@@ -10,8 +10,8 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
 from scheduler_svc.api.protocol import ParsedRequest
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.scheduler import RequestRejectedError
+from scheduler_svc.core.scheduler import RequestRejectedError
+from scheduler_svc.engine.async_engine import AsyncEngine
 
 
 def authorized(sent: bytes, key: str) -> bool:

@@ -14,9 +14,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from scheduler_svc.block_allocator import BlockId
-from scheduler_svc.engine import LLMEngine, StepOutcome
-from scheduler_svc.sequence import SequenceStatus
+from scheduler_svc.core.block_allocator import BlockId
+from scheduler_svc.core.sequence import SequenceStatus
+from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 
 WATCH_S = 5.0  # a poll keeps snapshots coming for this long
 CAPTURE_PERIOD_S = 0.1  # while watched, at most one snapshot per engine this often

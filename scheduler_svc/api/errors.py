@@ -8,13 +8,13 @@ from typing import Any
 import structlog
 from starlette.requests import ClientDisconnect
 
-from scheduler_svc.redis_store import OUTAGE_ERRORS
-from scheduler_svc.store_stream import (
+from scheduler_svc.state.redis_store import OUTAGE_ERRORS
+from scheduler_svc.state.store_stream import (
     EventOutOfRangeError,
     RequestIdConflictError,
     RequestVanishedError,
 )
-from scheduler_svc.streams import EngineDeadError, RequestInFlightError
+from scheduler_svc.state.streams import EngineDeadError, RequestInFlightError
 
 log = structlog.get_logger(__name__)
 

@@ -21,8 +21,8 @@ from scheduler_svc.api.grpc_gate import Gate
 from scheduler_svc.api.http import ModelCard
 from scheduler_svc.api.protocol import parse_completion
 from scheduler_svc.api.wire import finite_logprob
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.streams import RequestDelta, SeqDelta
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.state.streams import RequestDelta, SeqDelta
 
 log = structlog.get_logger(__name__)
 

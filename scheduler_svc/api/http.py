@@ -28,8 +28,8 @@ from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
 from scheduler_svc.api.render import Choice, Renderer
 from scheduler_svc.api.wire import decode_body, read_body
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.streams import RequestDelta
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.state.streams import RequestDelta
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from typing import Any
 from scheduler_svc.api.errors import client_error
 from scheduler_svc.api.protocol import ParsedRequest
 from scheduler_svc.api.wire import finite_logprob, to_json
-from scheduler_svc.streams import RequestDelta, SeqDelta
+from scheduler_svc.state.streams import RequestDelta, SeqDelta
 
 
 @dataclass(slots=True)

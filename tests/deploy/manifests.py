@@ -110,15 +110,17 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     should not rely on one.
     """
     stderr = io.StringIO()
+    parser = build_parser()
     try:
         with contextlib.redirect_stderr(stderr):
-            args = build_parser().parse_args(argv)
+            args = parser.parse_args(argv)
     except SystemExit:
         pytest.fail(f"`pagedserve {' '.join(argv)}` is rejected by the CLI:\n{stderr.getvalue()}")
+    command = parser._subparsers._group_actions[0].choices[args.command]
     for token in argv:
         if token.startswith("--"):
-            dest = token[2:].split("=", 1)[0].replace("-", "_")
-            assert dest in vars(args), f"{token.split('=')[0]} is not a full flag name"
+            flag = token.split("=", 1)[0]
+            assert flag in command._option_string_actions, f"{flag} is not a full flag name"
     return args
 
 

@@ -124,7 +124,7 @@ def test_scheduler_command_matches_cli(compose: dict[str, Any]) -> None:
     assert scheduler.namespace == executor.namespace
     # No --executor: the scheduler dials the executors registered in the store, each at the
     # container address it registered.
-    assert not scheduler.executor
+    assert not scheduler.executors
     assert not executor.advertise_address
     assert scheduler.tokenizer == "/opt/pagedserve/tokenizer"  # baked into the image
     published = compose_published_ports(services["scheduler"])

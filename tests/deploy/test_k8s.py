@@ -160,7 +160,7 @@ def test_executor_args_match_cli_ports_and_probes() -> None:
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading"
     # SIGTERM: the drain, then the step in flight (executor_svc.server.SHUTDOWN_GRACE_S).
-    assert pod_spec(workload)["terminationGracePeriodSeconds"] > args.drain_timeout + 60
+    assert pod_spec(workload)["terminationGracePeriodSeconds"] > args.drain_timeout_s + 60
     gpu = c["resources"]["limits"]["nvidia.com/gpu"]
     assert str(gpu) == "1" == str(c["resources"]["requests"]["nvidia.com/gpu"])
 
@@ -171,7 +171,7 @@ def test_scheduler_args_match_cli_ports_and_probes() -> None:
     assert args.command == "scheduler"
     assert args.host == "0.0.0.0"
     assert _ports(c) == {"http": args.port, "grpc": args.grpc_port}
-    assert not args.executor  # it finds the executors registered in the store
+    assert not args.executors  # it finds the executors registered in the store
     assert (args.state_store, args.namespace) == (executor.state_store, executor.namespace)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}

@@ -13,8 +13,8 @@ from executor_svc.executor import Executor
 from pagedserve.model_files import load_tokenizer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.engine import LLMEngine
+from scheduler_svc.engine.detokenizer import Detokenizer
+from scheduler_svc.engine.engine import LLMEngine
 
 PROMPTS = [
     "The harbour committee met",

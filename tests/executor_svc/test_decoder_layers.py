@@ -9,14 +9,14 @@ import torch
 
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import ExecutorConfig
+from pagedserve.settings import EngineOptions, ExecutorConfig
 from tests.conftest import save_tiny_llama
 
 
 def generate(model_dir: Path, fused: bool) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Prompts admitted while others decode, so steps mix prefill and decode tokens."""
     config = ExecutorConfig(model=str(model_dir), max_model_len=256)
-    llm = OfflineLLM(config, max_num_batched_tokens=256)
+    llm = OfflineLLM(config, EngineOptions(max_num_batched_tokens=256))
     model = llm.executor.model
     if not fused:
         model._fused_layers = None

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import ExecutorConfig, PreemptionMode
+from pagedserve.settings import EngineOptions, ExecutorConfig, PreemptionMode
 
 NEW_TOKENS = 64
 
@@ -64,8 +64,8 @@ def assert_same_greedy(ours, theirs) -> None:
 
 
 def run_ours(model_dir: Path, prompts: list[list[int]], **kwargs) -> list:
-    engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_ARGS}
-    llm = OfflineLLM(ExecutorConfig(model=str(model_dir), **kwargs), **engine_kwargs)
+    engine = EngineOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_ARGS})
+    llm = OfflineLLM(ExecutorConfig(model=str(model_dir), **kwargs), engine)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     requests = [Request(str(i), prompt_token_ids=p, params=params) for i, p in enumerate(prompts)]
     return llm.generate(requests, progress=False), llm

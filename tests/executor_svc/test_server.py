@@ -24,8 +24,8 @@ from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep
-from scheduler_svc.engine import LLMEngine, StepExecutor
-from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable, StepRefused
+from scheduler_svc.engine.engine import LLMEngine, StepExecutor
+from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable, StepRefused
 
 NUM_GPU_BLOCKS = 64
 SWAP_GIB = 0.01

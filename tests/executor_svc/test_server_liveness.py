@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep
-from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable
 from tests.conftest import save_tiny_llama
 from tests.executor_svc.test_server import start_executor, stop_executor
 

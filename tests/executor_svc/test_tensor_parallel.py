@@ -21,8 +21,8 @@ from pagedserve.cli import main
 from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, PreemptionMode, SchedulerConfig
-from scheduler_svc.engine import LLMEngine, StepExecutor
-from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.engine.engine import LLMEngine, StepExecutor
+from scheduler_svc.engine.executor_client import ExecutorClient
 from tests.services import free_port, start
 
 NUM_GPU_BLOCKS = 12  # small enough that the requests below must swap a group out

@@ -11,10 +11,10 @@ from executor_svc.executor import Executor
 from pagedserve.model_files import load_tokenizer
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.engine import LLMEngine
-from scheduler_svc.journal import Journal
-from scheduler_svc.state_store import StateStore
+from scheduler_svc.engine.detokenizer import Detokenizer
+from scheduler_svc.engine.engine import LLMEngine
+from scheduler_svc.state.journal import Journal
+from scheduler_svc.state.state_store import StateStore
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.step import SeqOutput
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor, num_samples
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.output_processor import OutputProcessor, num_samples
+from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 EOS = 2
 

@@ -8,9 +8,9 @@ import json
 from collections.abc import Callable
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.engine import LLMEngine
-from scheduler_svc.state_store import InMemoryStateStore
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.engine.engine import LLMEngine
+from scheduler_svc.state.state_store import InMemoryStateStore
 
 
 def test_an_abort_stops_only_its_owners_requests(

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from scheduler_svc.block_allocator import BlockAllocator, NoFreeBlocksError
+from scheduler_svc.core.block_allocator import BlockAllocator, NoFreeBlocksError
 
 RUN = BlockAllocator.RUN
 

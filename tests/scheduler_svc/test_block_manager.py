@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block
-from scheduler_svc.block_manager import AllocStatus, BlockManager
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block
+from scheduler_svc.core.block_manager import AllocStatus, BlockManager
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def make_group(request_id: str, prompt: list[int], seq_id: int = 0, **params) -> SequenceGroup:

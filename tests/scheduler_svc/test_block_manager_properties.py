@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.block_manager import AllocStatus, BlockManager
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_manager import AllocStatus, BlockManager
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BLOCK_SIZE = 4
 

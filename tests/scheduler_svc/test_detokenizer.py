@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.model_files import load_tokenizer
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.engine.detokenizer import Detokenizer
 
 TEXT = "Café naïve — 東京の夜 🚀🌊 done.\n  Indented  spaces and ünïcödé at the end: 🎉"
 

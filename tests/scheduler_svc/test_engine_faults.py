@@ -12,10 +12,10 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, StepResult
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.engine import LLMEngine
-from scheduler_svc.state_store import InMemoryStateStore, StepCommit, StoreUnavailableError
-from scheduler_svc.streams import EngineDeadError, RequestDelta
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.engine.engine import LLMEngine
+from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit, StoreUnavailableError
+from scheduler_svc.state.streams import EngineDeadError, RequestDelta
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT = [100, 200, 300, 400]

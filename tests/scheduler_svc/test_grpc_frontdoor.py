@@ -24,9 +24,9 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import ModelCard
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.engine import LLMEngine
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.engine.detokenizer import Detokenizer
+from scheduler_svc.engine.engine import LLMEngine
 
 PROMPT = "The harbour committee met on a grey morning"
 

@@ -9,10 +9,10 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, StepResult
-from scheduler_svc.engine import LLMEngine, StepExecutor
-from scheduler_svc.journal import COMPACT_AFTER
-from scheduler_svc.persistence import group_from_json
-from scheduler_svc.state_store import InMemoryStateStore, StateStore, StepCommit
+from scheduler_svc.engine.engine import LLMEngine, StepExecutor
+from scheduler_svc.state.journal import COMPACT_AFTER
+from scheduler_svc.state.persistence import group_from_json
+from scheduler_svc.state.state_store import InMemoryStateStore, StateStore, StepCommit
 
 REQUESTS = {
     "greedy": SamplingParams(temperature=0, max_tokens=COMPACT_AFTER + 8, ignore_eos=True),

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler_svc.leader import LeaderLease, LeaseKeeper, LocalLease, lease_for
-from scheduler_svc.redis_store import RedisStateStore
-from scheduler_svc.state_store import InMemoryStateStore, StaleEpochError, StepCommit
+from scheduler_svc.state.leader import LeaderLease, LeaseKeeper, LocalLease, lease_for
+from scheduler_svc.state.redis_store import RedisStateStore
+from scheduler_svc.state.state_store import InMemoryStateStore, StaleEpochError, StepCommit
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -178,9 +178,9 @@ def test_old_leader_epoch_is_refused_after_a_takeover(store: RedisStateStore) ->
 
 _PAUSABLE_LEADER = """
 import sys, threading, time
-from scheduler_svc.leader import LeaderLease, LeaseKeeper
-from scheduler_svc.redis_store import RedisStateStore
-from scheduler_svc.state_store import StaleEpochError, StepCommit
+from scheduler_svc.state.leader import LeaderLease, LeaseKeeper
+from scheduler_svc.state.redis_store import RedisStateStore
+from scheduler_svc.state.state_store import StaleEpochError, StepCommit
 
 store = RedisStateStore(sys.argv[1], namespace=sys.argv[2])
 lost = threading.Event()

@@ -12,9 +12,9 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqOutput, StepResult
 from scheduler_svc.api.dashboard import MAX_CELLS, Dashboard, pool_cells
-from scheduler_svc.engine import LLMEngine, StepOutcome
+from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.streams import RequestDelta
+from scheduler_svc.state.streams import RequestDelta
 
 
 class CountingExecutor:

@@ -8,7 +8,8 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep
-from scheduler_svc.persistence import (
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.state.persistence import (
     PendingStep,
     group_delta,
     group_from_json,
@@ -17,8 +18,7 @@ from scheduler_svc.persistence import (
     step_to_json,
     stored_mark,
 )
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.streams import RequestDelta, SeqDelta
+from scheduler_svc.state.streams import RequestDelta, SeqDelta
 
 PARAMS = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n\n",), stop_token_ids=(2, 7))
 

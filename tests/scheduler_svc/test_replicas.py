@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.engine.executor_client import ExecutorClient
 from tests.cluster import (
     complete,
     health,

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.engine import LLMEngine
-from scheduler_svc.state_store import InMemoryStateStore, StepCommit
-from scheduler_svc.store_stream import request_record
+from scheduler_svc.engine.async_engine import AsyncEngine
+from scheduler_svc.engine.engine import LLMEngine
+from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit
+from scheduler_svc.state.store_stream import request_record
 
 REQUEST, HELD_EVENT, MAX_TOKENS = "resumed", 4, 8
 

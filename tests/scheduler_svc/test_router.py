@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.router import AFFINITY_BLOCK, PrefixRouter, RoundRobinRouter
+from scheduler_svc.engine.router import AFFINITY_BLOCK, PrefixRouter, RoundRobinRouter
 
 SYSTEM_A = list(range(100, 100 + 4 * AFFINITY_BLOCK))
 SYSTEM_B = list(range(500, 500 + 4 * AFFINITY_BLOCK))

@@ -9,10 +9,10 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.scheduler import RequestRejectedError, Scheduler
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.output_processor import OutputProcessor
+from scheduler_svc.core.scheduler import RequestRejectedError, Scheduler
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.scheduler_svc.fake_executor import EOS, FakeExecutor, run_engine, step
 
 

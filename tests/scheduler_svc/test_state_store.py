@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from scheduler_svc.redis_store import RedisStateStore
-from scheduler_svc.state_store import (
+from scheduler_svc.state.redis_store import RedisStateStore
+from scheduler_svc.state.state_store import (
     InMemoryStateStore,
     StaleEpochError,
     StateStore,

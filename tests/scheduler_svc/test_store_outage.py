@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler_svc.redis_store import RedisStateStore
+from scheduler_svc.state.redis_store import RedisStateStore
 from tests.cluster import (
     body,
     reference_texts,

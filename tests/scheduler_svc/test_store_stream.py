@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.async_engine import RequestInFlightError
-from scheduler_svc.state_store import StateStore, StepCommit
-from scheduler_svc.store_stream import (
+from scheduler_svc.engine.async_engine import RequestInFlightError
+from scheduler_svc.state.state_store import StateStore, StepCommit
+from scheduler_svc.state.store_stream import (
     EventOutOfRangeError,
     RequestIdConflictError,
     RequestVanishedError,
@@ -22,8 +22,8 @@ from scheduler_svc.store_stream import (
     request_record,
     submit,
 )
-from scheduler_svc.streams import RequestDelta, SeqDelta
-from scheduler_svc.wakeups import OnEvents
+from scheduler_svc.state.streams import RequestDelta, SeqDelta
+from scheduler_svc.state.wakeups import OnEvents
 
 PARAMS = SamplingParams(max_tokens=4)
 

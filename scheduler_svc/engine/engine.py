@@ -13,15 +13,15 @@ import structlog
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, PreemptionMode, SchedulerConfig
 from pagedserve.step import ExecuteStep, ExecutorRestarted, SeqOutput, SeqStep, StepResult
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.detokenizer import Detokenizer, find_stop
-from scheduler_svc.executor_client import ExecutorError
-from scheduler_svc.journal import Journal, restore_groups
-from scheduler_svc.output_processor import OutputProcessor, num_samples
-from scheduler_svc.persistence import PendingStep, RestoredGroup, step_from_json, step_to_json
-from scheduler_svc.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.streams import RequestDelta, StreamTracker
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.output_processor import OutputProcessor, num_samples
+from scheduler_svc.core.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.engine.detokenizer import Detokenizer, find_stop
+from scheduler_svc.engine.executor_client import ExecutorError
+from scheduler_svc.state.journal import Journal, restore_groups
+from scheduler_svc.state.persistence import PendingStep, RestoredGroup, step_from_json, step_to_json
+from scheduler_svc.state.streams import RequestDelta, StreamTracker
 
 log = structlog.get_logger(__name__)
 

@@ -49,7 +49,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     output_text: str = ""
-    prefix_offset: int = 0  # detokenizer window, see scheduler_svc/detokenizer.py
+    prefix_offset: int = 0  # detokenizer window, see scheduler_svc/engine/detokenizer.py
     read_offset: int = 0
 
     def get_len(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine import LLMEngine, StepOutcome
+    from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 
 
 class StepObserver(Protocol):

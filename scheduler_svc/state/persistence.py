@@ -2,8 +2,8 @@
 the step in flight by reference. Versioned; never pickle.
 
 A group's stored value is JSON lines: a snapshot, then one delta per step that only
-appended to it (new tokens, text and blocks). Rewriting every running group whole at
-every step cost O(tokens) per step, the largest part of the scheduler's work between steps.
+appended to it (new tokens, text and blocks), so a step's commit grows with what the step
+added rather than with every running group's whole history.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import orjson
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockPairs, ExecuteStep
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 SCHEMA_VERSION = 1
 STEP_VERSION = 2  # 1 wrote each sequence of the step whole
@@ -28,8 +28,8 @@ class RestoredGroup:
     block_tables: dict[int, tuple[list[int], int]]  # seq_id -> (block ids, slots mapped)
 
 
-# Field names read once: dataclasses.asdict deep-copies every value and, called for each
-# group and each sequence of every step's commit, was most of the scheduler's JSON time.
+# Field names read once, for shallow dicts: dataclasses.asdict deep-copies every value, and
+# every step's commit converts each group and each sequence.
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(Sequence))
 
@@ -186,8 +186,8 @@ def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
 class PendingStep:
     """The step in flight as the journal keeps it: its sequences by id, in the order sent,
     and its block moves. Each sequence's tokens, table and parameters are in the groups of
-    the same commit, from which the engine rebuilds the step it sent (see LLMEngine.recover).
-    Written whole, the step was most of a commit's bytes and a millisecond of JSON a step."""
+    the same commit, from which the engine rebuilds the step it sent (see LLMEngine.recover),
+    so a commit does not repeat what its groups already hold."""
 
     step_id: int
     seq_ids: list[int]

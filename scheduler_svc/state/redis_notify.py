@@ -20,7 +20,7 @@ import orjson
 import redis
 import structlog
 
-from scheduler_svc.wakeups import OnEvents, Watchers
+from scheduler_svc.state.wakeups import OnEvents, Watchers
 
 log = structlog.get_logger(__name__)
 

@@ -7,7 +7,7 @@ import time
 import structlog
 
 from pagedserve.step import ExecuteStep, ExecutorRestarted, StepResult
-from scheduler_svc.executor_client import ExecutorClient, ExecutorError, ExecutorUnavailable
+from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorError, ExecutorUnavailable
 
 log = structlog.get_logger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from scheduler_svc.sequence import Sequence, SequenceGroup
+from scheduler_svc.core.sequence import Sequence, SequenceGroup
 
 
 class EngineDeadError(RuntimeError):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
-from scheduler_svc.block_manager import AllocStatus, BlockManager, BlockMapping
-from scheduler_svc.sequence import SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_manager import AllocStatus, BlockManager, BlockMapping
+from scheduler_svc.core.sequence import SequenceGroup, SequenceStatus
 
 
 class RequestRejectedError(ValueError):

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass
 
 from pagedserve.settings import CacheConfig
-from scheduler_svc.block_allocator import BlockAllocator, BlockHash, BlockId, hash_block
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.block_allocator import BlockAllocator, BlockHash, BlockId, hash_block
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockMapping = list[tuple[BlockId, BlockId]]
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Protocol
 
-from scheduler_svc.block_allocator import BlockHash, hash_block
+from scheduler_svc.core.block_allocator import BlockHash, hash_block
 
 AFFINITY_BLOCK = 16  # tokens per hashed chunk: affinity only, independent of any pool
 

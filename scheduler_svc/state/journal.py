@@ -27,7 +27,9 @@ import threading
 import structlog
 
 from pagedserve.settings import crash_point
-from scheduler_svc.persistence import (
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.sequence import SequenceGroup, SequenceStatus
+from scheduler_svc.state.persistence import (
     RestoredGroup,
     StoredMark,
     group_delta,
@@ -35,15 +37,13 @@ from scheduler_svc.persistence import (
     group_to_json,
     stored_mark,
 )
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import SequenceGroup, SequenceStatus
-from scheduler_svc.state_store import (
+from scheduler_svc.state.state_store import (
     StateStore,
     StepCommit,
     StoredState,
     StoreUnavailableError,
 )
-from scheduler_svc.streams import RequestDelta
+from scheduler_svc.state.streams import RequestDelta
 
 COMPACT_AFTER = 32  # deltas before a group is written whole again: bounds load and append cost
 RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0  # backoff of a commit resent to an unreachable store

@@ -2,7 +2,7 @@
 
 Values are opaque JSON strings written by the engine; a store never parses them. Two
 implementations: `InMemoryStateStore` (embedded default, here) and `RedisStateStore`
-(`scheduler_svc/redis_store.py`).
+(`scheduler_svc/state/redis_store.py`).
 
 Rules shared by both stores:
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_svc.wakeups import OnEvents, Watchers, WorkSignal, wait_events
+from scheduler_svc.state.wakeups import OnEvents, Watchers, WorkSignal, wait_events
 
 
 class StaleEpochError(RuntimeError):

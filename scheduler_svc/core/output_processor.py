@@ -7,8 +7,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from pagedserve.step import SeqOutput
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def beam_score(seq: Sequence, length_penalty: float) -> float:

@@ -25,8 +25,8 @@ import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from scheduler_svc.redis_store import RedisStateStore
-from scheduler_svc.state_store import StateStore
+from scheduler_svc.state.redis_store import RedisStateStore
+from scheduler_svc.state.state_store import StateStore
 
 log = structlog.get_logger(__name__)
 

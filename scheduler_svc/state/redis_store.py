@@ -18,7 +18,7 @@ Key layout, every key under `{namespace}:` so deployments can share one Redis:
 
 and one pub/sub channel, `events`: each commit publishes the events it appended,
 `{"index": [...], "events": [[request_id, event JSON], ...]}`, to the front doors
-following them (scheduler_svc/redis_notify.py).
+following them (scheduler_svc/state/redis_notify.py).
 
 With several executors each engine lane commits through `lane(name)`, whose last_commit,
 meta, groups, deltas and pending_step live under `lane:{name}:` instead; the epoch, the
@@ -26,11 +26,10 @@ queue, records and events stay shared.
 
 Snapshots live in one hash rather than a key each, so `load()` finds every group with one
 HGETALL instead of a SCAN over the keyspace. Deltas go to a string per group, where APPEND
-costs the delta's length: appended to the hash value (HGET, concatenate, HSET in the script)
-each cost the whole value, 1.8 ms of the script's 2.8 ms a step at ~86 running groups
-(`INFO commandstats`, sharegpt-100's first 150 steps). A value written by an older version,
-snapshot and deltas in one hash field, still reads. A snapshot must stay far below Redis'
-512 MB value limit, which a group always does.
+costs the delta's length; appended to the hash value (HGET, concatenate, HSET in the script)
+each would cost the whole value. A value written by an older version, snapshot and deltas in
+one hash field, still reads. A snapshot must stay far below Redis' 512 MB value limit, which a
+group always does.
 
 Every key a script touches is passed in KEYS, as Redis asks of scripts.
 """
@@ -47,14 +46,14 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
-from scheduler_svc.redis_notify import EventNotifier
-from scheduler_svc.state_store import (
+from scheduler_svc.state.redis_notify import EventNotifier
+from scheduler_svc.state.state_store import (
     StepCommit,
     StoredState,
     StoreUnavailableError,
     check_epoch,
 )
-from scheduler_svc.wakeups import OnEvents, wait_events
+from scheduler_svc.state.wakeups import OnEvents, wait_events
 
 # KEYS[1..6]: epoch, last_commit, meta, groups, pending_step, queue; then for the i-th id of
 # c.touched: KEYS[5 + 2i] its events list and KEYS[6 + 2i] its submitted record; then for the
@@ -63,7 +62,7 @@ from scheduler_svc.wakeups import OnEvents, wait_events
 # the lane it moves from and KEYS[b + 2k] its deltas there.
 # ARGV[1]: the commit as JSON; ARGV[2]: milliseconds a finished request's keys live (0: forever);
 # ARGV[3]: the events channel; ARGV[4]: c.events as JSON, published with their indices added
-# by concatenation: cjson.encode of the events would double the script's time.
+# by concatenation, which spares the script a cjson.encode of the events.
 _COMMIT_LUA = """
 local c = cjson.decode(ARGV[1])
 local ttl_ms = tonumber(ARGV[2])

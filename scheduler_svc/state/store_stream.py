@@ -12,11 +12,11 @@ from typing import TypeVar
 import structlog
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.persistence import params_to_dict
-from scheduler_svc.redis_store import OUTAGE_ERRORS
-from scheduler_svc.state_store import StateStore, StoreUnavailableError
-from scheduler_svc.streams import RequestDelta, RequestInFlightError
-from scheduler_svc.wakeups import Event
+from scheduler_svc.state.persistence import params_to_dict
+from scheduler_svc.state.redis_store import OUTAGE_ERRORS
+from scheduler_svc.state.state_store import StateStore, StoreUnavailableError
+from scheduler_svc.state.streams import RequestDelta, RequestInFlightError
+from scheduler_svc.state.wakeups import Event
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from scheduler_svc.sequence import SequenceGroup
+from scheduler_svc.core.sequence import SequenceGroup
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine import StepOutcome
-    from scheduler_svc.streams import RequestDelta
+    from scheduler_svc.engine.engine import StepOutcome
+    from scheduler_svc.state.streams import RequestDelta
 
 log = structlog.get_logger(__name__)
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.engine import LLMEngine, StepOutcome
-from scheduler_svc.reconnect import ExecutorGone
-from scheduler_svc.scheduler import RequestRejectedError
-from scheduler_svc.sequence import SequenceGroup
-from scheduler_svc.streams import RequestDelta
+from scheduler_svc.core.scheduler import RequestRejectedError
+from scheduler_svc.core.sequence import SequenceGroup
+from scheduler_svc.engine.engine import LLMEngine, StepOutcome
+from scheduler_svc.engine.reconnect import ExecutorGone
+from scheduler_svc.state.streams import RequestDelta
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.core.sequence import Sequence
 
 
 class Tokenizer(Protocol):
