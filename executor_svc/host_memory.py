@@ -2,10 +2,9 @@
 huge pages.
 
 Paged attention reads blocks scattered over a pool of hundreds of MB: with 4 KiB pages each
-block's rows cost TLB misses and page walks, and the kernel stalls on them. With 2 MiB pages
-decode attention at batch 128, 1024 tokens each, ran 1.3 times faster here. Every decode step
-also streams all the weights (540 MB for the default model): on huge pages a step of one
-sequence took 46 ms instead of 56 here. Linux only; elsewhere the memory is plain.
+block's rows cost TLB misses and page walks, and the kernel stalls on them; 2 MiB pages
+spare most of those. Every decode step also streams all the weights, which huge pages spare
+in the same way. Linux only; elsewhere the memory is plain.
 
 The activations of a long prefill are another matter: see keep_freed_memory.
 """
@@ -72,13 +71,10 @@ def keep_freed_memory() -> bool:
     """Have glibc's malloc reuse freed memory rather than map fresh pages for each large
     tensor; False where it cannot be asked (not glibc).
 
-    A prefill's activations are tens of MB each (gate/up for 7,000 tokens: 86 MB), above
-    malloc's mmap threshold, so every one was a new mapping whose pages faulted in, zeroed,
-    on first write. On an EPYC (Zen 5) that gate/up projection took 110 ms instead of 72;
-    sharegpt-100 in process took 2.8 million page faults instead of 0.16 million and 79.0 s
-    instead of 72.1 (means of four runs each, alternating). The price: the process keeps its
-    peak of activations resident. Allocations made before the call keep their own mappings
-    (the KV pool and the weights are freed whole)."""
+    A prefill's activations are tens of MB each, above malloc's mmap threshold, so without
+    this every one is a new mapping whose pages fault in, zeroed, on first write. The price:
+    the process keeps its peak of activations resident. Allocations made before the call keep
+    their own mappings (the KV pool and the weights are freed whole)."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
@@ -91,8 +87,8 @@ def one_malloc_arena() -> bool:
 
     A thread's own arena grows in heaps of 64 MB at most, so a larger block (a long
     prefill's activations) is mapped afresh and page-faulted on every use whatever
-    keep_freed_memory asked. The executor service runs its steps on a worker thread: on
-    sharegpt-100 it took 1.7 million page faults in 20 s of steps, 26 with one arena."""
+    keep_freed_memory asked. The executor service runs its steps on a worker thread, which
+    would otherwise allocate from an arena of its own."""
     libc = _libc()
     return libc is not None and hasattr(libc, "mallopt") and libc.mallopt(_M_ARENA_MAX, 1) == 1
 

@@ -57,8 +57,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
     One thread for all torch work: OpenMP gives each thread that starts parallel regions a
     team of its own, and once the teams hold more threads than there are cores, libgomp's
-    workers sleep almost at once between regions instead of spinning. A CPU step then kept
-    1.7 of 2 cores busy instead of 1.99, and took 15-28 % longer.
+    workers sleep almost at once between regions instead of spinning, which leaves cores
+    idle and slows a CPU step.
     """
 
     def __init__(

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         then gather its columns from the panels.
 
         ``fuse_layers`` runs the decoder layers in one C++ call from then on: the same kernels
-        in the same order, without Python between them (a tenth of a decode step here). No
+        in the same order, without Python between them. No
         module hook runs inside that call, so tensor parallelism's all-reduces need False.
         """
         for module in self.modules():

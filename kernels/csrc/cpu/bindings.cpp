@@ -248,7 +248,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
 }
 
 // executor_svc.models.llama's decoder layers in one call: the same kernels in the same order,
-// without the Python around each (about a tenth of a decode step's time in py-spy samples).
+// without the Python around each.
 at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
                              const std::vector<LayerWeights>& layers,
                              std::vector<std::tuple<at::Tensor, at::Tensor>> kv_caches,

@@ -12,16 +12,11 @@
 //
 // 8 rows x 2 16-float vectors on AVX-512 (16 accumulators, 10 loads per 16 FMAs), 3 rows x 4
 // 8-float vectors elsewhere (12 of AVX2's 16 registers; the fourth vector of weights is a memory
-// operand, so 7 loads per 12 FMAs). With 2 rows x 4, the 2-row blocks of an EPYC (AVX2) took
-// each panel from L2 twice as often and the layers' linears ran 1.3-1.8x slower from 32 rows
-// (`bench/linear.py`, alternating the two builds twice), 0.9-1.2x from 4 to 24. No horizontal sums: each accumulator lane
-// is one output, summed over k in order, so a row's result does not depend on the batch around
-// it. The first sweep of a panel streams it from memory while prefetching the panel
-// kPrefetchPanels ahead, spread over the panel's row blocks; later sweeps (more rows) find it in
-// L2. On two cores of a Xeon with AVX-512, SmolLM2's decode steps spent 30.6 / 40.9 / 99.6 ms
-// in linears at 8 / 24 / 64 sequences, against 36.0 / 66.0 / 150.3 ms with the dot-product
-// kernel this replaced (unpacked W, 8-row tiles, sgemm from 48 rows); `bench/linear.py` puts it
-// at 1.2-2.4x torch's sgemm from 4 to 96 rows and 0.8-1.0x from 256 (a prefill's rows).
+// operand, so 7 loads per 12 FMAs): the taller the block, the less often each panel comes from
+// L2. No horizontal sums: each accumulator lane is one output, summed over k in order, so a
+// row's result does not depend on the batch around it. The first sweep of a panel streams it
+// from memory while prefetching the panel kPrefetchPanels ahead, spread over the panel's row
+// blocks; later sweeps (more rows) find it in L2.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -36,8 +31,8 @@ namespace {
 
 constexpr int64_t kPanelRows = 192;    // rows of x a piece sweeps its panels with, at most
 constexpr int64_t kPiecePanels = 2;    // panels per piece of work handed to a thread
-constexpr int64_t kPrefetchPanels = 4;  // how far ahead panels are prefetched (a prototype
-                                        // tried 1, 2, 4, 6, 8: 4 was fastest, 4 to 48 rows)
+constexpr int64_t kPrefetchPanels = 4;  // how far ahead panels are prefetched (the best
+                                        // distance timed: bench/RESULTS.md)
 
 using vfloat16 = float __attribute__((vector_size(64)));
 
@@ -63,8 +58,8 @@ PAGEDSERVE_INLINE void store_as(float* p, V v) {
 }
 
 // The next panel's k-rows a row block pulls in as it sweeps: one every `every` steps of k, from
-// `next`, `remaining` of them. A countdown, not k % every: a division in the loop cost more than
-// the prefetch saved.
+// `next`, `remaining` of them. A countdown, not k % every: a division in the loop would cost
+// more than the prefetch saves.
 struct PanelPrefetch {
   const float* next = nullptr;
   int64_t remaining = 0, every = 1;
@@ -93,7 +88,7 @@ PAGEDSERVE_INLINE void sweep(const LinearParams& p, const float* x, const float*
     for (int c = 0; c < C; ++c) w[c] = load_as<V>(panel + k * kLinearPanel + c * kLanes<V>);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      // Vector times scalar: a broadcast load. V{x, x, ...} was built lane by lane.
+      // Vector times scalar: a broadcast load, where GCC builds V{x, x, ...} lane by lane.
       const float xk = x[r * p.x_row_stride + k];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r * C + c] += w[c] * xk;

@@ -4,11 +4,11 @@
 // context unless a small decode batch cuts it into parts). It serves every query head of
 // its kv heads: a block's K/V rows come from memory once (converted to fp32 once for bf16 / fp16)
 // and are reused from L1 by all the group's query rows (grouped-query attention). A block holds
-// [block_size, num_kv_heads, head_dim]: one kv head's rows are strided, and read alone they ran
-// at a third of the memory bandwidth here (the hardware prefetchers follow whole lines), so a
-// decode item takes all kv heads of its sequence and reads each block as one run. It walks the
-// sequence's blocks through the block table, prefetching the next one as it goes, with an online
-// softmax over rows r = (tile token t, head g of the group):
+// [block_size, num_kv_heads, head_dim]: one kv head's rows are strided, and read alone they
+// stream poorly (the hardware prefetchers follow whole lines), so a decode item takes all kv
+// heads of its sequence and reads each block as one run. It walks the sequence's blocks through
+// the block table, prefetching the next one as it goes, with an online softmax over rows
+// r = (tile token t, head g of the group):
 //
 //   context:  [ blk b0 | blk b1 | ... | blk b_last ]      b_last may be partial
 //   per block, for the positions j of the block that row r may see (j <= its own position):
@@ -46,12 +46,9 @@ namespace {
 // from L1 many times, few enough that the rows' accumulators stay in L1 too.
 constexpr int64_t kTileRows = 32;
 
-// Multiply-adds a thread takes at least (about 20 us): smaller calls stay on one thread, where
-// a fork/join would cost more than it saves. At 1 << 20 a decode step of one sequence ran on one
-// thread up to about 1,800 positions. `bench/kernels.py --batch 1 --context 512 1024 2048`, two
-// threads, alternating the two bounds twice: 0.075-0.076 / 0.123-0.153 ms at 512 / 1,024
-// positions with 1 << 20, 0.045-0.050 / 0.086-0.087 ms with 1 << 17 (1.6-1.85x torch's SDPA);
-// at 2,048 both fork.
+// Multiply-adds a thread takes at least: smaller calls stay on one thread, where a fork/join
+// would cost more than it saves; low enough that a one-sequence decode step over a long context
+// forks.
 constexpr int64_t kMinWorkPerThread = 1 << 17;
 
 // Work items per thread below which decode cuts sequences into parts of their context, to
@@ -121,11 +118,9 @@ class Scratch {
 };
 
 // Pulls the next block's K and V rows toward L2 a slice at a time, one slice before each of a
-// row's two passes (keys, values) over the current block. Asked for all at once, the prefetches
-// filled the miss queue and stalled the core (a quarter of the kernel's samples sat on them)
-// rather than overlapping with the arithmetic; spread out, decode attention ran 1.4-2x faster
-// here; two slices a row instead of one took another 4-16 % off (64 x 512 and 256 x 1,024
-// tokens, one and two threads).
+// row's two passes (keys, values) over the current block: spread out, the prefetches overlap
+// with the arithmetic, where asked for all at once they would fill the miss queue and stall the
+// core.
 template <typename T>
 class NextBlockPrefetch {
  public:
@@ -140,8 +135,8 @@ class NextBlockPrefetch {
         lines_per_row_((width * rows / rows_ + kLine - 1) / kLine),
         slice_((rows_ * lines_per_row_ + slices - 1) / slices) {}
 
-  // Row by row, line by line, on counters: a division per line (the line's row and column)
-  // cost 5 % of a 256-sequence decode step's attention here.
+  // Row by row, line by line, on counters: no division per line (the line's row and column)
+  // in this hot loop.
   PAGEDSERVE_INLINE void next_slice() {
     for (int64_t i = 0; i < slice_ && row_ < rows_; ++i) {
       const int64_t offset = row_ * stride_ + line_ * kLine;
@@ -219,7 +214,7 @@ PAGEDSERVE_INLINE void update_softmax(float* logits, int64_t n, int64_t dim, flo
   float block_max = hmax(vmaxes);
   for (; j < n; ++j) block_max = block_max > logits[j] ? block_max : logits[j];
   const float new_max = std::max(max, block_max);
-  // 0 on the first block (-inf); libm's expf took a tenth of the kernel, and the max rarely moves.
+  // 0 on the first block (-inf); libm's expf is costly and runs only when the max moves (rarely).
   const float correction = new_max == max ? 1.0f : std::exp(max - new_max);
   vfloat vsum = {};
   for (j = 0; j + kWidth <= n; j += kWidth) {
@@ -445,7 +440,7 @@ void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
   const int64_t tile_tokens = decode ? 1 : std::max<int64_t>(1, kTileRows / group);
   // A decode item reads whole blocks, every kv head of its sequence. While the batch has too
   // few sequences to keep every thread busy, their contexts are cut into parts, whose results
-  // are merged afterwards (one kv head's strided rows alone read at a third of the bandwidth).
+  // are merged afterwards (one kv head's strided rows alone stream poorly).
   // Prefill tiles reuse each row many times and stay one kv head each.
   const int64_t heads_per_item = decode ? params.num_kv_heads : 1;
   const int64_t wanted_items = kMinItemsPerThread * threads;
