@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -119,6 +120,18 @@ def complete_all(url: str, prompts: list[str]) -> list[str]:
 
 def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a metric's samples in /metrics (``name`` without ``pagedserve_``)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    samples = re.findall(rf"^pagedserve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return sum(float(v) for v in samples)
+
+
+def used_blocks(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return float(re.search(r'^pagedserve_kv_blocks_used\{device="gpu"\} (\S+)$', text, re.M)[1])
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:

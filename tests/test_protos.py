@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
+
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "pagedserve" / "rpc" / "v1"
 
@@ -32,15 +34,18 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
 def test_stubs_import_and_name_every_service() -> None:
     from pagedserve.rpc.v1 import executor_pb2, executor_pb2_grpc, frontdoor_pb2, frontdoor_pb2_grpc
 
-    assert set(executor_pb2.DESCRIPTOR.services_by_name["Executor"].methods_by_name) == {
-        "InitCache",
-        "Execute",
-        "CopyBlocks",
-        "SwapBlocks",
-        "GetStats",
+    services = {
+        (executor_pb2, "Executor", executor_pb2_grpc.ExecutorStub): {
+            "InitCache",
+            "Execute",
+            "CopyBlocks",
+            "SwapBlocks",
+            "GetStats",
+        },
+        (frontdoor_pb2, "FrontDoor", frontdoor_pb2_grpc.FrontDoorStub): {"Generate", "Abort"},
     }
-    assert set(frontdoor_pb2.DESCRIPTOR.services_by_name["FrontDoor"].methods_by_name) == {
-        "Generate",
-        "Abort",
-    }
-    assert executor_pb2_grpc.ExecutorStub and frontdoor_pb2_grpc.FrontDoorStub
+    with grpc.insecure_channel("127.0.0.1:1") as channel:  # connects only on a call
+        for (module, service, stub_class), methods in services.items():
+            assert set(module.DESCRIPTOR.services_by_name[service].methods_by_name) == methods
+            stub = stub_class(channel)
+            assert all(callable(getattr(stub, method, None)) for method in methods), service

@@ -13,7 +13,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep
 from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable
 from tests.conftest import save_tiny_llama
-from tests.executor_svc.test_server import start_executor, stop_executor
+from tests.executor_svc.executor_proc import start_executor, stop_executor
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 2000  # a prefill that outlasts many polls

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import AuthenticationError, OpenAI
 
 from pagedserve.cli import SERVE_GOMP_SPINCOUNT, executor_environ
 from pagedserve.offline import OfflineLLM, Request
@@ -206,30 +206,122 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, bod
     assert ok.status_code == 200
 
 
-def test_malformed_oversized_unauthenticated_and_unknown(server):
+USER = {"role": "user", "content": "Hi"}
+CHAT_BAD_REQUESTS = [
+    ({"messages": [USER]}, 400, "model"),
+    ({"model": 5, "messages": [USER]}, 400, "model"),
+    ({"model": "M"}, 400, "messages"),
+    ({"model": "M", "messages": []}, 400, "messages"),
+    ({"model": "M", "messages": "Hi"}, 400, "messages"),
+    ({"model": "M", "messages": USER}, 400, "messages"),
+    ({"model": "M", "messages": ["Hi"]}, 400, "messages[0]"),
+    ({"model": "M", "messages": [{"content": "Hi"}]}, 400, "messages[0]"),
+    ({"model": "M", "messages": [{"role": 5, "content": "Hi"}]}, 400, "messages[0]"),
+    ({"model": "M", "messages": [{"role": "user"}]}, 400, "messages[0]"),
+    ({"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0]"),
+    ({"model": "M", "messages": [USER | {"content": [{"type": "text", "text": "Hi"}]}]}, 400,
+     "messages[0]"),
+    ({"model": "M", "messages": [USER, USER | {"content": None}]}, 400, "messages[1]"),
+    ({"model": "M", "messages": [USER], "n": 0}, 400, "n"),
+    ({"model": "M", "messages": [USER], "n": 99}, 400, "n"),
+    ({"model": "M", "messages": [USER], "n": True}, 400, "n"),
+    ({"model": "M", "messages": [USER], "temperature": 3}, 400, "temperature"),
+    ({"model": "M", "messages": [USER], "temperature": -1}, 400, "temperature"),
+    ({"model": "M", "messages": [USER], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "M", "messages": [USER], "top_p": 0}, 400, "top_p"),
+    ({"model": "M", "messages": [USER], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "M", "messages": [USER], "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": "M", "messages": [USER | {"content": "x" * 20000}]}, 400, "max_tokens"),
+    ({"model": "M", "messages": [USER], "logprobs": 3}, 400, "logprobs"),
+    ({"model": "M", "messages": [USER], "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
+    ({"model": "M", "messages": [USER], "stop": [""]}, 400, "stop"),
+    ({"model": "M", "messages": [USER], "stream": "yes"}, 400, "stream"),
+    ({"model": "M", "messages": [USER], "stream": True, "n": 2, "best_of": 3}, 400, "stream"),
+    ({"model": "M", "messages": [USER], "seed": 2**70}, 400, "seed"),
+    ({"model": "no-such-model", "messages": [USER]}, 404, "model"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "param"), CHAT_BAD_REQUESTS)
+def test_bad_chat_input_gets_an_openai_error_and_the_server_keeps_serving(
+    server, body, status, param
+):
+    if body.get("model") == "M":
+        body = body | {"model": model_of(server)}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert error["code"] == ("model_not_found" if status == 404 else None), error
+    assert error["message"]
+    ok = {"model": model_of(server), "messages": [USER], "max_tokens": 1}
+    assert post(server, "/v1/chat/completions", ok).status_code == 200
+
+
+def test_malformed_oversized_and_unknown(server):
     assert post(server, "/v1/completions", b"{not json").status_code == 400
     big = post(server, "/v1/completions", b"x" * (5 << 20))
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
-    r = httpx.post(f"{server[0]}/v1/completions", json={"model": "m", "prompt": "x"})
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server[0]}/health").status_code == 200  # open without a key
     assert httpx.get(f"{server[0]}/v2/nothing", headers=AUTH).json()["error"]["message"]
+
+
+UNAUTHORIZED = {
+    "missing": {},
+    "wrong key": {"Authorization": "Bearer wrong"},
+    "key with a suffix": {"Authorization": f"Bearer {KEY}x"},
+    "no scheme": {"Authorization": KEY},
+    "another scheme": {"Authorization": f"Basic {KEY}"},
+}
+
+
+@pytest.mark.parametrize("headers", UNAUTHORIZED.values(), ids=UNAUTHORIZED.keys())
+def test_a_missing_or_wrong_api_key_is_a_401_with_an_openai_error(server, headers):
+    chat = {"model": model_of(server), "messages": [USER], "max_tokens": 1}
+    answers = [
+        httpx.post(f"{server[0]}/v1/completions", json={"prompt": "x"} | chat, headers=headers),
+        httpx.post(f"{server[0]}/v1/chat/completions", json=chat, headers=headers),
+        httpx.get(f"{server[0]}/v1/models", headers=headers),
+        httpx.get(f"{server[0]}/metrics", headers=headers),
+    ]
+    for r in answers:
+        assert r.status_code == 401, r.text
+        error = r.json()["error"]
+        assert error["message"] and error["param"] is None
+        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
+
+
+def test_the_openai_client_with_a_wrong_key_gets_an_authentication_error(server):
+    wrong = OpenAI(base_url=f"{server[0]}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(AuthenticationError) as info:
+        wrong.chat.completions.create(model=model_of(server), messages=[USER], max_tokens=1)
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
 
 
 def running(server) -> bool:
     return metric(server, "pagedserve_num_requests", 'state="running"') > 0
 
 
+def finished(server) -> dict[str, float]:
+    """pagedserve_requests_total by finish reason."""
+    reasons = ("stop", "length", "abort")
+    return {r: metric(server, "pagedserve_requests_total", f'finish_reason="{r}"') for r in reasons}
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_frees_its_blocks(server, stream):
+def test_a_client_that_disconnects_is_aborted_and_frees_its_blocks(server, stream):
+    max_tokens = 900
     body = {
         "model": model_of(server),
         "prompt": "Tell a very long story",
-        "max_tokens": 900,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": stream,
     }
+    before = finished(server)
+    generated = metric(server, "pagedserve_generation_tokens_total", "")
     host, port = server[0].removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)))
@@ -248,9 +340,12 @@ def test_a_client_that_disconnects_frees_its_blocks(server, stream):
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') > 0
     sock.close()
     deadline = time.monotonic() + 3  # generating all 900 tokens would take far longer
-    while running(server):
+    while running(server) or finished(server) == before:
         assert time.monotonic() < deadline, "the disconnected request still runs"
         time.sleep(0.1)
+    assert finished(server) == before | {"abort": before["abort"] + 1}
+    generated = metric(server, "pagedserve_generation_tokens_total", "") - generated
+    assert 0 < generated < max_tokens
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
 
 

@@ -74,7 +74,8 @@ def test_a_broken_stream_ends_with_an_error_event_and_done(on_private_redis):
     follower = threading.Thread(target=follow_grpc)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: {"))
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None  # under way
         follower.start()
         time.sleep(0.5)  # the gRPC stream is under way too
         redis_proc.kill()  # every commit and read of the store fails from here on

@@ -81,8 +81,25 @@ def still_serves(server) -> None:
 
 
 def metric_total(server, name: str) -> float:
+    """The sum of a metric's samples in /metrics, whatever their labels."""
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+COUNTERS = (
+    "pagedserve_prompt_tokens_total",
+    "pagedserve_generation_tokens_total",
+    "pagedserve_requests_total",
+)
+ABORTED = 'pagedserve_requests_total{finish_reason="abort"}'
+
+
+def counters(server) -> dict[str, float]:
+    """The request counters, and the requests that ended as aborted."""
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    aborted = re.search(rf"^{re.escape(ABORTED)} (\S+)$", text, re.M)
+    assert aborted, f"{ABORTED} missing from /metrics"
+    return {name: metric_total(server, name) for name in COUNTERS} | {"abort": float(aborted[1])}
 
 
 # Raw JSON after the model's field ("\ud800" is the JSON escape of a lone surrogate; a key
@@ -226,12 +243,11 @@ def test_a_reused_request_id_with_another_body_is_a_409(server):
     headers = {"X-Request-Id": request_id}
     first = post(server, "/v1/completions", body, headers)
     assert first.status_code == 200, first.text
-    counters = ("pagedserve_prompt_tokens_total", "pagedserve_requests_total")
-    before = [metric_total(server, name) for name in counters]
+    before = counters(server)
     again = post(server, "/v1/completions", body, headers)
     assert again.status_code == 200 and again.json()["choices"] == first.json()["choices"]
     assert again.json()["usage"] == first.json()["usage"]
-    assert [metric_total(server, name) for name in counters] == before  # no second prefill
+    assert counters(server) == before  # no second prefill: the stored answer
     for other in ({"prompt": "Another prompt"}, {"max_tokens": 7}, {"temperature": 1.0}):
         r = post(server, "/v1/completions", body | other, headers)
         assert error_of(r, 409)["code"] == "request_id_conflict", other
@@ -245,6 +261,42 @@ def test_a_reused_request_id_with_another_body_is_a_409(server):
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     last = post(server, "/v1/completions", body, headers)
     assert last.json()["choices"] == first.json()["choices"]
+    assert counters(server) == before  # the refused reuses ran nothing either
+
+
+def test_a_request_id_in_flight_is_refused_while_its_request_runs_on(server):
+    """A second request under the id of one still streaming is a 409 ``conflict``,
+    whatever its body; the first runs on to its end, counted once, and a retry after
+    that end gets its stored answer."""
+    request_id = f"in-flight-{uuid.uuid4().hex}"
+    body = {"model": server.model, "prompt": "The harbour at dawn", "max_tokens": 400}
+    body |= {"temperature": 0, "ignore_eos": True}
+    headers = AUTH | {"X-Request-Id": request_id}
+    before = counters(server)
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body | {"stream": True}, headers=headers
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        data = [next(line[6:] for line in lines if line.startswith("data: {"))]
+        for other in ({}, {"prompt": "Another prompt"}, {"max_tokens": 7}):
+            plain = error_of(post(server, "/v1/completions", body | other, headers), 409)
+            status, streamed = sse(server, "/v1/completions", body | other, headers)
+            assert status == 409 and plain["code"] == "conflict", other
+            assert strict_json(streamed[0])["error"]["code"] == "conflict", other
+        data += [line[6:] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [strict_json(d)["choices"][0] for d in data[:-1]]
+    assert chunks[-1]["finish_reason"] == "length"
+    after = counters(server)
+    grown = {name: after[name] - before[name] for name in after}
+    assert grown["pagedserve_requests_total"] == 1 and grown["abort"] == 0
+    assert grown["pagedserve_generation_tokens_total"] == body["max_tokens"]
+    retry = post(server, "/v1/completions", body, headers)
+    assert retry.status_code == 200, retry.text
+    assert retry.json()["choices"][0]["text"] == "".join(c["text"] for c in chunks)
+    assert retry.json()["usage"]["prompt_tokens"] == grown["pagedserve_prompt_tokens_total"]
+    assert counters(server) == after
 
 
 def test_grpc_calls_need_the_api_key(server):
@@ -277,6 +329,7 @@ def test_an_abort_without_the_key_ends_nothing(server):
                 if line.startswith("data: {"):
                     reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
 
+    before = counters(server)
     reader = threading.Thread(target=stream)
     reader.start()
     deadline = time.monotonic() + 30
@@ -290,3 +343,7 @@ def test_an_abort_without_the_key_ends_nothing(server):
     assert stub.Abort(pb.AbortRequest(request_id=request_id), metadata=KEYED).aborted
     reader.join(60)
     assert reasons[-1] == "abort"
+    after = counters(server)
+    grown = {name: after[name] - before[name] for name in after}
+    assert grown["abort"] == 1 and grown["pagedserve_requests_total"] == 1
+    assert 0 < grown["pagedserve_generation_tokens_total"] < body["max_tokens"]

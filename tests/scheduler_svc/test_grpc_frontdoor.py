@@ -27,6 +27,7 @@ from scheduler_svc.api.http import ModelCard
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine
+from scheduler_svc.metrics import SchedulerMetrics
 
 PROMPT = "The harbour committee met on a grey morning"
 
@@ -51,7 +52,8 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def frontdoor(executor) -> AsyncIterator[tuple[FrontDoorStub, AsyncEngine]]:
-    """A fresh engine over the shared executor, served on a free loopback port."""
+    """A fresh engine over the shared executor, its SchedulerMetrics as the observer,
+    served on a free loopback port."""
     ex, info, tokenizer = executor
     cache = CacheConfig(
         block_size=info.block_size,
@@ -60,7 +62,7 @@ async def frontdoor(executor) -> AsyncIterator[tuple[FrontDoorStub, AsyncEngine]
     )
     sched = SchedulerConfig(max_num_batched_tokens=8192, max_model_len=info.max_model_len)
     engine = LLMEngine(ex, cache, sched, info.eos_token_id, Detokenizer(tokenizer))
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, observer=SchedulerMetrics())
     await async_engine.start()
     card = ModelCard(info.model, info.vocab_size, info.max_model_len)
     port = free_port()
@@ -95,6 +97,24 @@ async def blocks_freed(engine: AsyncEngine, within: float = 5.0) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+def counted(engine: AsyncEngine, name: str, **labels: str) -> float:
+    """A sample of the engine's metrics; ``name`` without ``pagedserve_``."""
+    found = engine.observer.registry.get_sample_value(f"pagedserve_{name}", labels)
+    assert found is not None, f"{name}{labels} missing"
+    return found
+
+
+async def counted_aborts(engine: AsyncEngine, expected: int, within: float = 5.0) -> float:
+    """Requests counted as ended by an abort, once they reach ``expected`` (the count is
+    taken between steps, a moment after the blocks are freed) or ``within`` passes."""
+    deadline = time.monotonic() + within
+    while counted(engine, "requests_total", finish_reason="abort") < expected:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    return counted(engine, "requests_total", finish_reason="abort")
 
 
 def test_greedy_stream_equals_the_in_process_engine(executor, tiny_chat_model_dir):
@@ -207,6 +227,9 @@ def test_a_cancelled_stream_frees_its_blocks(executor):
             assert first.choices and used_blocks(engine) > 0
             call.cancel()
             assert await blocks_freed(engine), "the cancelled request still holds blocks"
+            assert await counted_aborts(engine, 1) == 1
+            assert counted(engine, "requests_total", finish_reason="length") == 0
+            assert 0 < counted(engine, "generation_tokens_total") < request.max_tokens
 
     run(body())
 
@@ -218,14 +241,18 @@ def test_abort_ends_the_stream_with_abort(executor):
                 request_id="to-abort", text=PROMPT, n=2, max_tokens=400, ignore_eos=True
             )
             call = stub.Generate(request)
-            await call.read()
+            first = await call.read()
             answer = await stub.Abort(pb.AbortRequest(request_id="to-abort"))
             assert answer.aborted
             rest = await collect(call)
             assert rest[-1].usage.prompt_tokens > 0
             ends = {c.index: c.finish_reason for r in rest for c in r.choices if c.finish_reason}
             assert ends == {0: pb.FINISH_REASON_ABORT, 1: pb.FINISH_REASON_ABORT}
+            tokens = [t for r in (first, *rest) for c in r.choices for t in c.token_ids]
+            assert 0 < len(tokens) == rest[-1].usage.completion_tokens < 2 * request.max_tokens
             assert await blocks_freed(engine)
+            assert await counted_aborts(engine, 1) == 1
+            assert counted(engine, "generation_tokens_total") == len(tokens)
             unknown = await stub.Abort(pb.AbortRequest(request_id="never-sent"))
             assert not unknown.aborted
 

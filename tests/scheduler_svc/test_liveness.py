@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 import uuid
@@ -20,11 +19,13 @@ import pytest
 
 from tests.cluster import (
     body,
+    metric,
     num_steps,
     reference_texts,
     start_executor,
     start_scheduler,
     stream_text,
+    used_blocks,
     wait_executors,
     wait_until,
 )
@@ -42,18 +43,6 @@ def reference(tiny_chat_model_dir: Path) -> dict[str, str]:
 @pytest.fixture
 def namespace() -> str:
     return f"test-liveness-{uuid.uuid4().hex}"
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples in /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    samples = re.findall(rf"^pagedserve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    return sum(float(v) for v in samples)
-
-
-def used_blocks(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return float(re.search(r'^pagedserve_kv_blocks_used\{device="gpu"\} (\S+)$', text, re.M)[1])
 
 
 def stream_all(url: str, prompts: list[str]) -> list[str]:

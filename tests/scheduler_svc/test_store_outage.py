@@ -17,15 +17,16 @@ import pytest
 from scheduler_svc.state.redis_store import RedisStateStore
 from tests.cluster import (
     body,
+    metric,
     reference_texts,
     start_executor,
     start_scheduler,
     stream_text,
+    used_blocks,
     wait_executors,
     wait_until,
 )
 from tests.redis_server import RedisServer
-from tests.scheduler_svc.test_liveness import metric, used_blocks
 from tests.services import stop
 
 pytestmark = pytest.mark.redis
