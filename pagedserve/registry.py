@@ -93,12 +93,6 @@ class ExecutorRegistry:
     def clear_release(self, address: str) -> None:
         self._redis.delete(self._key("executor", address, "released"))
 
-    def ping(self) -> bool:
-        try:
-            return bool(self._redis.ping())
-        except redis.RedisError:
-            return False
-
     def close(self) -> None:
         self._redis.close()
 

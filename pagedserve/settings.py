@@ -256,6 +256,14 @@ class SchedulerOptions:
     grpc_port: int | None = field(
         default=None, metadata=_help("also serve the gRPC Generate front door on this port")
     )
+    max_waiting_requests: int = field(
+        default=1024,
+        metadata=_help("requests that may wait for a first step; beyond, 429 with Retry-After"),
+    )
+    max_waiting_tokens: int = field(
+        default=1 << 20,
+        metadata=_help("prompt tokens that may wait for a first step; beyond, 429"),
+    )
     connect_timeout_s: float = field(
         default=600.0,
         metadata=_help(
@@ -264,6 +272,10 @@ class SchedulerOptions:
         ),
     )
     engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,10 @@ class SchedulerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)
+        self.refused = Counter(
+            "pagedserve_requests_refused", "requests refused at admission", ["reason"], registry=r
+        )
+        self.refused.labels("queue_full")
         self.ttft = Histogram(
             "pagedserve_time_to_first_token_seconds",
             "arrival to first generated token",
@@ -150,6 +154,9 @@ class SchedulerMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+
+    def count_refused(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
     def after_step(self, name: str, engine: LLMEngine, outcome: StepOutcome) -> None:
         """StepObserver hook: account the step's requests, then re-sample ``engine``."""

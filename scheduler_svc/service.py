@@ -148,7 +148,15 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     metrics, dashboard = SchedulerMetrics(), Dashboard()
     observers = StepObservers([metrics, dashboard])
     async_engine = AsyncEngine(
-        fleet, observers, store, lease, template, options.routing, options.store_budget_s
+        fleet,
+        observers,
+        store,
+        lease,
+        template,
+        options.routing,
+        options.store_budget_s,
+        (options.max_waiting_requests, options.max_waiting_tokens),
+        metrics.count_refused,
     )
     await async_engine.start()
     tokenizer, card = factory.tokenizer, factory.card

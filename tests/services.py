@@ -22,6 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GUARD_KEY = "guard-key"  # the API key of the guarded_server fixture (tests/scheduler_svc)
+
+
 @contextlib.contextmanager
 def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]:
     """`pagedserve serve` in its own process group; yields the base URL once /health is ok."""

@@ -14,7 +14,7 @@ from scheduler_svc.state.store_stream import (
     RequestIdConflictError,
     RequestVanishedError,
 )
-from scheduler_svc.state.streams import EngineDeadError, RequestInFlightError
+from scheduler_svc.state.streams import EngineDeadError, QueueFullError, RequestInFlightError
 
 log = structlog.get_logger(__name__)
 
@@ -57,9 +57,13 @@ _KNOWN: tuple[tuple[type[Exception], int, str], ...] = (
     (RequestVanishedError, 400, "request_not_found"),
     (EventOutOfRangeError, 400, "event_out_of_range"),
     (EngineDeadError, 503, "engine_unavailable"),
+    (QueueFullError, 429, "queue_full"),
     *((kind, 503, "store_unavailable") for kind in OUTAGE_ERRORS),
     (ClientDisconnect, 400, "client_disconnected"),  # gone before its body was read
 )
+
+
+_TYPES = {429: "rate_limit_error"}
 
 
 def client_error(e: Exception, request_id: str | None) -> APIError:
@@ -69,7 +73,7 @@ def client_error(e: Exception, request_id: str | None) -> APIError:
         return e
     for kind, status, code in _KNOWN:
         if isinstance(e, kind):
-            type_ = "server_error" if status >= 500 else "invalid_request_error"
+            type_ = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
             return APIError(status, str(e), code=code, type=type_)
     log.error("request failed", request_id=request_id, error=repr(e), exc_info=e)
     return APIError(

@@ -42,7 +42,11 @@ _OPTIONAL_FIELDS = (
     "min_p",
     "length_penalty",
 )
-_STATUS_CODES = {409: grpc.StatusCode.ALREADY_EXISTS, 503: grpc.StatusCode.UNAVAILABLE}
+_STATUS_CODES = {
+    409: grpc.StatusCode.ALREADY_EXISTS,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,

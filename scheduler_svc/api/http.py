@@ -77,7 +77,7 @@ class Api:
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             first = await _first_unless_disconnected(request, deltas)
-            stream = render.sse(first, deltas, resume)
+            stream = render.sse(first, deltas, resume, _resumable(request, resume))
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
         return JSONResponse(render.final(choices), headers=headers)
@@ -87,6 +87,14 @@ def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
     """The client's id (the X-Request-Id header, else the body's request_id) or a new one."""
     header = check_request_id(request.headers.get("x-request-id") or None, "X-Request-Id")
     return header or parsed.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _resumable(request: Request, resume: tuple[int, int] | None) -> bool:
+    """Whether the stream's events carry ids for Last-Event-ID: asked for with
+    ``X-Resumable-Stream: true``, or a resume itself. By default a stream is what OpenAI
+    sends, ``data:`` lines only, which every client's parser reads."""
+    asked = request.headers.get("x-resumable-stream", "").strip().lower()
+    return resume is not None or asked in ("1", "true", "yes")
 
 
 _LAST_EVENT = re.compile(r"([0-9]{1,10})\.([0-9]{1,10})")
@@ -190,8 +198,11 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
+RETRY_AFTER_S = {503: "5", 429: "2"}  # what a refused client waits before trying again
+
+
 def _error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "5"} if e.status == 503 else None
+    headers = {"Retry-After": RETRY_AFTER_S[e.status]} if e.status in RETRY_AFTER_S else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 

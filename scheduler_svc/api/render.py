@@ -64,12 +64,14 @@ class Renderer:
         first: RequestDelta | None,
         deltas: AsyncIterator[RequestDelta],
         resume: tuple[int, int] | None,
+        event_ids: bool = False,
     ) -> AsyncIterator[str]:
-        """The events of ``first`` and then of ``deltas``, ended by ``[DONE]``. A failure
-        mid-stream is sent as an error event before ``[DONE]``, as vLLM sends it: the 200
-        is out by then, and a silent close would look like a finished stream."""
+        """The events of ``first`` and then of ``deltas``, ended by ``[DONE]``, each output's
+        with id ``EVENT.OUTPUT`` when ``event_ids``. A failure mid-stream is sent as an error
+        event before ``[DONE]``, as vLLM sends it: the 200 is out by then, and a silent close
+        would look like a finished stream."""
         try:
-            async for event in self._events(_prepend(first, deltas), resume):
+            async for event in self._events(_prepend(first, deltas), resume, event_ids):
                 yield event
         except Exception as e:
             yield f"data: {to_json(client_error(e, self.request_id).body())}\n\n"
@@ -78,10 +80,10 @@ class Renderer:
         yield "data: [DONE]\n\n"
 
     async def _events(
-        self, deltas: AsyncIterator[RequestDelta], resume: tuple[int, int] | None
+        self, deltas: AsyncIterator[RequestDelta], resume: tuple[int, int] | None, ids: bool
     ) -> AsyncIterator[str]:
-        """One SSE event per output of each delta, id ``EVENT.OUTPUT``; a resumed stream
-        skips what the client's Last-Event-ID says it has."""
+        """One SSE event per output of each delta; a resumed stream skips what the client's
+        Last-Event-ID says it has."""
         completion_tokens = 0
         if self.chat and resume is None:
             roles = [
@@ -103,7 +105,7 @@ class Renderer:
                     out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
                 )
                 chunk = self._chunk([self._choice(out.index, choice, False)])
-                yield _event(f"{delta.event}.{out.index}", chunk)
+                yield _event(f"{delta.event}.{out.index}" if ids else None, chunk)
         if self.parsed.include_usage:
             yield _event(None, self._chunk([]) | {"usage": self._usage(completion_tokens)})
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 
@@ -30,7 +30,12 @@ from scheduler_svc.engine.step_observer import StepObserver
 from scheduler_svc.state.leader import Lease, LeaseKeeper
 from scheduler_svc.state.state_store import StaleEpochError, StateStore
 from scheduler_svc.state.store_stream import StoreStream, request_owner, request_record
-from scheduler_svc.state.streams import EngineDeadError, RequestDelta, RequestInFlightError
+from scheduler_svc.state.streams import (
+    EngineDeadError,
+    QueueFullError,
+    RequestDelta,
+    RequestInFlightError,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +69,8 @@ class AsyncEngine:
         template: LLMEngine | None = None,
         routing: str = "prefix",
         store_budget_s: float = 30.0,
+        max_waiting: tuple[int, int] = (1024, 1 << 20),
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         """Args:
         fleet: the executors, or one ready engine (in-process tests, no lease).
@@ -74,6 +81,8 @@ class AsyncEngine:
         routing: how new requests pick an executor: "prefix" or "round-robin".
         store_budget_s: how long a stream followed through the store waits out a store
             that does not answer.
+        max_waiting: the requests and prompt tokens that may wait for a first step.
+        on_refused: told the reason of each request refused at admission (metrics).
         """
         if isinstance(fleet, LLMEngine):
             engine = fleet
@@ -86,6 +95,8 @@ class AsyncEngine:
         self.keeper = LeaseKeeper(lease, self._on_lost) if lease is not None else None
         self.follower = None if store is None else StoreStream(store, budget_s=store_budget_s)
         self.lane_set = LaneSet(fleet, store, observer, routing, self._start_loop)
+        self.max_waiting = max_waiting
+        self.on_refused = on_refused
         self.epoch = 0
         self.leading = False
         self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException | _SteppedDown]] = {}
@@ -206,6 +217,20 @@ class AsyncEngine:
         """Raise RequestRejectedError now for a request no executor could ever run."""
         self.lane_set.check(prompt_len, params, self.template)
 
+    def _admit(self, prompt_len: int) -> None:
+        """Raise QueueFullError when the leader's waiting queue has no room for another
+        request of ``prompt_len`` tokens (checked and routed with no await between, so a
+        burst cannot overfill it)."""
+        requests, tokens = self.lane_set.waiting()
+        max_requests, max_tokens = self.max_waiting
+        if requests + 1 > max_requests or tokens + prompt_len > max_tokens:
+            if self.on_refused is not None:
+                self.on_refused("queue_full")
+            raise QueueFullError(
+                f"{requests} requests ({tokens} prompt tokens) already wait for a first "
+                f"step, at most {max_requests} ({max_tokens} tokens); retry later"
+            )
+
     async def generate(
         self,
         request_id: str,
@@ -222,14 +247,17 @@ class AsyncEngine:
         A resume, a known id, and any request while another replica leads are followed
         through the store, which raises RequestIdConflictError for a known id sent with
         another body, RequestVanishedError for a resume of an unknown id and
-        EventOutOfRangeError for a resume past the request's end. Closing the iterator
-        early (the client went away) aborts the request.
+        EventOutOfRangeError for a resume past the request's end. On the leader a request
+        the waiting queue has no room for raises QueueFullError, before it is stored.
+        Closing the iterator early (the client went away) aborts the request.
         """
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
             raise RequestInFlightError(f"request id {request_id!r} is already being streamed")
         arrival = time.time()  # wall clock: comparable between replicas and restarts
+        if after_event is None and self.leading:  # a replica that does not lead passes it on
+            self._admit(len(prompt_token_ids))
         new = after_event is None and self._submit(
             request_id, prompt_token_ids, params, arrival, owner
         )

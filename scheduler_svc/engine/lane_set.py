@@ -97,6 +97,17 @@ class LaneSet:
         """Work anywhere: queued for a lane, in a lane, or waiting for an executor."""
         return bool(self._unrouted) or any(lane.has_work() for lane in self.lanes.values())
 
+    def waiting(self) -> tuple[int, int]:
+        """Requests, and their prompt tokens, that have not had a first step yet: queued
+        for a lane, in one, or waiting in an engine's queue (read between its steps, so
+        a count may be a step old)."""
+        prompts = [i.prompt for i in self._unrouted if isinstance(i, NewRequest)]
+        for lane in self.lanes.values():
+            with lane.lock:
+                prompts += [r.prompt for r in lane.incoming]
+            prompts += [g.seqs[0].prompt_token_ids for g in list(lane.engine.scheduler.waiting)]
+        return len(prompts), sum(map(len, prompts))
+
     def journaled(self) -> list[Lane]:
         return [lane for lane in self.lanes.values() if lane.engine.journal is not None]
 

@@ -19,6 +19,10 @@ class RequestInFlightError(ValueError):
     """Another client is already streaming this request id."""
 
 
+class QueueFullError(RuntimeError):
+    """Too many requests, or prompt tokens, already wait for a first step: retry later."""
+
+
 @dataclass(slots=True)
 class SeqDelta:
     """What one output (``index``) gained since the last event."""

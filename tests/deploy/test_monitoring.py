@@ -35,6 +35,7 @@ CONTRACT = {
         "prompt_tokens_total",
         "generation_tokens_total",
         "requests_total",
+        "requests_refused_total",
     },
     "histogram": {
         "time_to_first_token_seconds",

@@ -1,10 +1,14 @@
-"""An in-process executor on the tiny chat model, and an engine journaling to a store."""
+"""An in-process executor on the tiny chat model, an engine journaling to a store, and a
+served one behind an API key for the tests that throw hostile input at it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
+import grpc
+import httpx
 import pytest
 
 from executor_svc.executor import Executor
@@ -15,6 +19,21 @@ from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine
 from scheduler_svc.state.journal import Journal
 from scheduler_svc.state.state_store import StateStore
+from tests.services import GUARD_KEY, free_port, serve
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tiny_chat_model_dir: Path) -> Iterator[SimpleNamespace]:
+    """`pagedserve serve` with API key GUARD_KEY and the gRPC front door: url, model, an
+    HTTP client and a gRPC channel. Shared: every test leaves it serving and drained."""
+    grpc_port = free_port()
+    flags = ["--num-gpu-blocks", "96", "--api-key", GUARD_KEY, "--grpc-port", str(grpc_port)]
+    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as url:
+        auth = {"Authorization": f"Bearer {GUARD_KEY}"}
+        model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+        client = httpx.Client(base_url=url, timeout=60)
+        with client, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            yield SimpleNamespace(url=url, model=model, client=client, channel=channel)
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,11 @@ def test_greedy_completion_equals_the_in_process_engine(server, tiny_chat_model_
     }
 
 
-def test_streaming_sends_the_same_text_in_numbered_events(server):
+@pytest.mark.parametrize("resumable", [False, True], ids=["openai-style", "resumable"])
+def test_streaming_sends_the_same_text_in_events(server, resumable):
+    """By default only ``data:`` lines, as OpenAI sends them (vLLM's benchmark client reads
+    each non-empty line as ``data: JSON``); with X-Resumable-Stream each output's event
+    also carries its id for Last-Event-ID."""
     body = {
         "model": model_of(server),
         "prompt": "Once upon a time",
@@ -88,17 +92,22 @@ def test_streaming_sends_the_same_text_in_numbered_events(server):
         "ignore_eos": True,
     }
     whole = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    headers = AUTH | ({"X-Resumable-Stream": "true"} if resumable else {})
     with httpx.stream(
         "POST",
         f"{server[0]}/v1/completions",
         json=body | {"stream": True},
-        headers=AUTH,
+        headers=headers,
         timeout=60,
     ) as r:
         lines = [line for line in r.iter_lines() if line]
     ids = [line[4:] for line in lines if line.startswith("id: ")]
     data = [line[6:] for line in lines if line.startswith("data: ")]
-    assert data[-1] == "[DONE]" and ids == [f"{i}.0" for i in range(1, len(ids) + 1)]
+    assert data[-1] == "[DONE]"
+    if resumable:
+        assert ids == [f"{i}.0" for i in range(1, len(ids) + 1)] and len(ids) == len(data) - 1
+    else:
+        assert len(data) == len(lines)  # nothing but data lines
     chunks = [json.loads(d) for d in data[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"

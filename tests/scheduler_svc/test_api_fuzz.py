@@ -24,7 +24,6 @@ import math
 import os
 import re
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,9 +34,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
-from tests.services import free_port, serve
+from tests.services import GUARD_KEY
 
-KEY = "fuzz-key"
+KEY = GUARD_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
@@ -55,15 +54,9 @@ SERVER_FAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path):
-    grpc_port = free_port()
-    flags = ["--num-gpu-blocks", "96", "--api-key", KEY, "--grpc-port", str(grpc_port)]
-    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as url:
-        model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
-        client = httpx.Client(base_url=url, timeout=60)
-        with client, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            yield SimpleNamespace(url=url, model=model, client=client, channel=channel)
+@pytest.fixture
+def server(guarded_server: SimpleNamespace) -> SimpleNamespace:
+    return guarded_server
 
 
 # -- strategies ---------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import re
 import threading
 import time
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -20,21 +19,16 @@ import pytest
 
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
-from tests.services import free_port, serve
+from tests.services import GUARD_KEY
 
-KEY = "hostile-key"
+KEY = GUARD_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 KEYED = (("authorization", f"Bearer {KEY}"),)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path):
-    grpc_port = free_port()
-    flags = ["--num-gpu-blocks", "96", "--api-key", KEY, "--grpc-port", str(grpc_port)]
-    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as url:
-        model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            yield SimpleNamespace(url=url, model=model, channel=channel)
+@pytest.fixture
+def server(guarded_server: SimpleNamespace) -> SimpleNamespace:
+    return guarded_server
 
 
 def post(server, path: str, body: dict | bytes, headers: dict | None = None) -> httpx.Response:
@@ -216,7 +210,7 @@ def test_impossible_last_event_ids_are_a_400_at_once(server):
     body = {"model": server.model, "prompt": "A short one", "max_tokens": 8, "stream": True}
     body |= {"temperature": 0, "ignore_eos": True}
     known = f"resumable-{uuid.uuid4().hex}"
-    ids = stream_ids(server, body, {"X-Request-Id": known})
+    ids = stream_ids(server, body, {"X-Request-Id": known, "X-Resumable-Stream": "true"})
     last = int(ids[-1].split(".")[0])
     assert stream_ids(server, body, {"X-Request-Id": known, "Last-Event-ID": ids[0]}) == ids[1:]
     cases = [

@@ -155,7 +155,7 @@ def test_a_stream_resumes_after_the_last_event_it_got(redis_url, executor, names
             "POST",
             f"{url}/v1/completions",
             json=body(model, PROMPTS[0], True),
-            headers={"X-Request-Id": "streamed"},
+            headers={"X-Request-Id": "streamed", "X-Resumable-Stream": "true"},
             timeout=60,
         ) as r:
             for line in r.iter_lines():

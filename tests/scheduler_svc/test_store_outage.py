@@ -110,7 +110,10 @@ def test_past_its_budget_a_stream_ends_with_an_error_and_resumes(
     request = body(url, prompt, stream=True) | {"max_tokens": 128}
     expected = reference_texts(tiny_chat_model_dir, [prompt], max_tokens=128)[prompt]
     text, last_id, error, paused = "", None, None, False
-    with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as r:
+    resumable = {"X-Resumable-Stream": "true"}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=request, headers=resumable, timeout=120
+    ) as r:
         request_id = r.headers["x-request-id"]
         for line in r.iter_lines():
             if line.startswith("id: "):
