@@ -94,11 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", help=f"default {ROWS}")
     parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timing")
+    parser.add_argument(
+        "--layers", type=int, default=NUM_LAYERS, help="layers' weights cycled through"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     grid = [
         (name, shapes, layers, rows)
-        for name, shapes, layers in (("layer", LAYER, NUM_LAYERS), ("lm_head", LM_HEAD, 1))
+        for name, shapes, layers in (("layer", LAYER, args.layers), ("lm_head", LM_HEAD, 1))
         for rows in args.rows or ROWS
     ]
     results = [
@@ -118,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         ],
         [[getattr(r, f) for f in Result.__slots__] for r in results],
         title=f"linear, fp32, {torch.get_num_threads()} threads, CPU capability {capability}, "
-        f"ms per layer ({NUM_LAYERS} layers' weights, out of cache)",
+        f"ms per layer ({args.layers} layers' weights, out of cache)",
     )
     if args.json:
         config = {
             "rows": args.rows or list(ROWS),
             "min_run_time": args.min_run_time,
-            "layers": NUM_LAYERS,
+            "layers": args.layers,
         }
         write_json(args.json, config, {"results": [asdict(r) for r in results]})
     return 0

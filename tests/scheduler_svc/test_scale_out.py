@@ -50,7 +50,7 @@ def deployment(tiny_chat_model_dir: Path, namespace: str, redis_url: str):
     procs = [proc for proc, _ in executors]
     try:
         scheduler, url = start_scheduler(namespace, redis=redis_url)
-        procs.insert(0, scheduler)
+        procs.append(scheduler)  # stopped last: it releases the draining executors at once
         wait_executors(url, 2)
         yield url, executors
     finally:
