@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 # The widest values the executor's wire format holds (executor.proto): past them a request
 # would pass here and then fail its step's encoding, which ends the engine loop.
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -63,6 +63,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     length_penalty: float = 1.0
+    # Scheduling, not sampling: never sent to the executor.
+    priority: int = 0  # lower runs first (FCFS within a priority), preempted last
+    timeout: float | None = None  # seconds from arrival after which the request is ended
 
     def __post_init__(self) -> None:
         # Each message is formatted only on failure: this runs for every request.
@@ -98,6 +101,10 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {ids}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise bad("seed", f"must be a signed 64-bit integer, got {self.seed}")
+        if not (_is_int(self.priority) and INT32_MIN <= self.priority <= INT32_MAX):
+            raise bad("priority", f"must be a 32-bit integer, got {self.priority}")
+        if self.timeout is not None and not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise bad("timeout", f"must be a finite number of seconds > 0, got {self.timeout}")
         if self.use_beam_search and self.temperature != 0:
             raise bad("use_beam_search", "requires temperature 0")
 

@@ -14,7 +14,12 @@ from scheduler_svc.state.store_stream import (
     RequestIdConflictError,
     RequestVanishedError,
 )
-from scheduler_svc.state.streams import EngineDeadError, QueueFullError, RequestInFlightError
+from scheduler_svc.state.streams import (
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestInFlightError,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +69,8 @@ _KNOWN: tuple[tuple[type[Exception], int, str], ...] = (
 
 
 _TYPES = {429: "rate_limit_error"}
+# A request the engine ended without a result: its timeout passed (504), else our failure.
+_FAILED_STATUS = {"deadline_exceeded": 504}
 
 
 def client_error(e: Exception, request_id: str | None) -> APIError:
@@ -71,6 +78,9 @@ def client_error(e: Exception, request_id: str | None) -> APIError:
     request id and answered as a 500 that says nothing of the server's insides."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, RequestFailedError):
+        status = _FAILED_STATUS.get(e.code, 500)
+        return APIError(status, str(e), code=e.code, type="server_error")
     for kind, status, code in _KNOWN:
         if isinstance(e, kind):
             type_ = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")

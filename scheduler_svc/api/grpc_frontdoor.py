@@ -45,6 +45,7 @@ _OPTIONAL_FIELDS = (
 _STATUS_CODES = {
     409: grpc.StatusCode.ALREADY_EXISTS,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
 _FINISH_REASONS = {

@@ -58,7 +58,7 @@ class Api:
     async def _answer(self, request: Request, chat: bool) -> Response:
         check_executor(self.engine, self.config)
         body = decode_body(await read_body(request, self.config.max_body_bytes))
-        parsed = parse_completion(body, self.config, chat)
+        parsed = parse_completion(body, self.config, chat, request.headers.get("x-request-timeout"))
         if parsed.model != self.card.name:
             raise APIError(
                 404,

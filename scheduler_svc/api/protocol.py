@@ -59,7 +59,9 @@ def _check(ok: bool, message: str, param: str) -> None:
         raise APIError(400, message, param=param)
 
 
-def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> ParsedRequest:
+def parse_completion(
+    data: dict[str, Any], config: ApiConfig, chat: bool, timeout_header: str | None = None
+) -> ParsedRequest:
     """Validate every field named by the OpenAI API that we honour; raise APIError(400)."""
     model = _get(data, "model", (str,))
     _check(model is not None, "'model' is required", "model")
@@ -130,6 +132,8 @@ def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> Par
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
             length_penalty=_number(data, "length_penalty", 1.0),
+            priority=_get(data, "priority", (int,), 0),
+            timeout=_timeout(data, timeout_header),
         )
     except InvalidSamplingParam as e:
         raise APIError(400, str(e), param=e.param) from None
@@ -144,6 +148,22 @@ def parse_completion(data: dict[str, Any], config: ApiConfig, chat: bool) -> Par
         request_id,
         bool(stream_options.get("include_usage", False)),
     )
+
+
+def _timeout(data: dict, header: str | None) -> float | None:
+    """Seconds the request may take: the body's ``timeout``, else ``X-Request-Timeout``."""
+    if data.get("timeout") is not None:
+        return _number(data, "timeout", 0.0)
+    if header is None:
+        return None
+    try:
+        return float(header)
+    except ValueError:
+        raise APIError(
+            400,
+            f"X-Request-Timeout must be seconds, got {header[:40]!r}",
+            param="X-Request-Timeout",
+        ) from None
 
 
 def check_request_id(value: str | None, param: str) -> str | None:

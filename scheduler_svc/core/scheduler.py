@@ -44,14 +44,16 @@ class SchedulerOutput:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
-def _arrival(group: SequenceGroup) -> float:
-    return group.arrival_time
+def _order(group: SequenceGroup) -> tuple[int, float]:
+    """Queue order: priority (lower first), then arrival."""
+    return group.sampling_params.priority, group.arrival_time
 
 
 class Scheduler:
-    """Holds the waiting, running and swapped queues, each in arrival order.
+    """Holds the waiting, running and swapped queues, each in order of priority (lower
+    first), then arrival.
 
-    The earliest arrival is served first and preempted last; a step admits new groups
+    The first in that order is served first and preempted last; a step admits new groups
     only when nothing had to be preempted and nothing is waiting in swap.
     """
 
@@ -72,7 +74,7 @@ class Scheduler:
     def add_seq_group(self, group: SequenceGroup) -> None:
         """Queue a new request. Raises RequestRejectedError when it could never run."""
         self.check_fits(group.prompt_len, group.sampling_params)
-        bisect.insort(self.waiting, group, key=_arrival)
+        bisect.insort(self.waiting, group, key=_order)
         self.last_added = self.clock()
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -98,7 +100,7 @@ class Scheduler:
                     self.block_manager.free(seq)
                     seq.status = SequenceStatus.WAITING
                     seq.num_computed_tokens = 0
-            bisect.insort(self.waiting, group, key=_arrival)
+            bisect.insort(self.waiting, group, key=_order)
         self.running, self.swapped = [], []
         self.block_manager.forget_cached()
         return moved
@@ -151,7 +153,7 @@ class Scheduler:
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
             self._append_slots(group, out)
-            bisect.insort(self.running, group, key=_arrival)
+            bisect.insort(self.running, group, key=_order)
             out.scheduled.append(ScheduledGroup(group, is_prefill=False))
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
@@ -177,7 +179,7 @@ class Scheduler:
             for seq in group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
                 out.num_batched_tokens += seq.get_len() - seq.num_computed_tokens
-            bisect.insort(self.running, group, key=_arrival)
+            bisect.insort(self.running, group, key=_order)
             out.scheduled.append(ScheduledGroup(group, True, num_cached))
 
     def _look_ahead(self, out: SchedulerOutput) -> None:
@@ -231,13 +233,13 @@ class Scheduler:
             mode = PreemptionMode.RECOMPUTE
         if mode == PreemptionMode.SWAP:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
-            bisect.insort(self.swapped, group, key=_arrival)
+            bisect.insort(self.swapped, group, key=_order)
         else:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 self.block_manager.free(seq)
                 seq.status = SequenceStatus.WAITING
                 seq.num_computed_tokens = 0
-            bisect.insort(self.waiting, group, key=_arrival)
+            bisect.insort(self.waiting, group, key=_order)
         group.num_preemptions += 1
         out.preempted.append((group, mode))
 

@@ -34,6 +34,7 @@ from scheduler_svc.state.streams import (
     EngineDeadError,
     QueueFullError,
     RequestDelta,
+    RequestFailedError,
     RequestInFlightError,
 )
 
@@ -283,7 +284,7 @@ class AsyncEngine:
                 if item.event <= last:
                     continue
                 finished, last = item.finished, item.event
-                yield item
+                yield _checked(item)
         finally:
             self._streams.pop(request_id, None)
             if not finished and not handed_over:
@@ -298,7 +299,7 @@ class AsyncEngine:
         if self.follower is None:
             raise EngineDeadError("this replica does not lead and has no store to follow")
         async for delta in self.follower.generate(request_id, prompt, params, after_event):
-            yield delta
+            yield _checked(delta)
 
     def _submit(
         self,
@@ -414,3 +415,11 @@ class AsyncEngine:
         for request_id in aborts:
             self.abort(request_id)
         await self.lane_set.drop_retired()
+
+
+def _checked(delta: RequestDelta) -> RequestDelta:
+    """``delta``, unless it ends its request with an error: then RequestFailedError, which
+    the front doors send as an error (an error event on a stream)."""
+    if delta.error is not None:
+        raise RequestFailedError(delta.error, delta.error_code)
+    return delta

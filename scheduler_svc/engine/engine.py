@@ -146,6 +146,33 @@ class LLMEngine:
             self.journal.defer([delta])
         return delta
 
+    def expire(self, now: float) -> tuple[list[SequenceGroup], list[RequestDelta]]:
+        """End the groups whose ``timeout`` has passed since arrival (wall clock): aborted,
+        their blocks freed, each stream ended by a ``deadline_exceeded`` error event."""
+        sched = self.scheduler
+        late = [
+            g
+            for g in [*sched.waiting, *sched.running, *sched.swapped]
+            if g.sampling_params.timeout is not None
+            and now > g.arrival_time + g.sampling_params.timeout
+        ]
+        deltas = []
+        for group in late:
+            self.abort(group.request_id)
+            timeout = group.sampling_params.timeout
+            deltas.append(
+                self.streams.failed(
+                    group.request_id,
+                    group.prompt_len,
+                    f"the request's timeout of {timeout:g} s passed before it finished",
+                    self.streams.forget(group),
+                    code="deadline_exceeded",
+                )
+            )
+        if self.journal is not None:
+            self.journal.defer(deltas)
+        return late, deltas
+
     def abort(self, request_id: str) -> SequenceGroup | None:
         group = self.scheduler.abort(request_id)
         if group is not None and self.journal is not None:

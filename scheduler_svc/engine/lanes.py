@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -113,6 +114,9 @@ class Lane:
                 ended.append(engine.streams.delta(group, {}, finished=True))
         if engine.journal is not None:
             engine.journal.defer([d for d in ended if d is not None and d.error is None])
+        expired, deadline_deltas = engine.expire(time.time())
+        aborted += expired
+        ended += deadline_deltas
         outcome, moved = StepOutcome(), []
         if not self.retiring and engine.has_unfinished():
             try:

@@ -19,6 +19,15 @@ class RequestInFlightError(ValueError):
     """Another client is already streaming this request id."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this request without a result; ``code`` says why for the client
+    (``deadline_exceeded``, or ``request_failed``)."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.code = code or "request_failed"
+
+
 class QueueFullError(RuntimeError):
     """Too many requests, or prompt tokens, already wait for a first step: retry later."""
 
@@ -45,6 +54,7 @@ class RequestDelta:
     outputs: list[SeqDelta] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # why the request ended without a result (with finished)
+    error_code: str | None = None  # that reason for clients: "deadline_exceeded", ...
 
     def to_json(self) -> str:
         # By field names: dataclasses.asdict deep-copies, and this runs for every request
@@ -93,12 +103,19 @@ class StreamTracker:
         return self._events.pop(group.request_id, 0)
 
     def failed(
-        self, request_id: str, prompt_len: int, error: str, num_events: int = 0
+        self,
+        request_id: str,
+        prompt_len: int,
+        error: str,
+        num_events: int = 0,
+        code: str | None = None,
     ) -> RequestDelta:
         """The last event of a request the engine had to drop, saying why; ``num_events``:
         the events it had before it came here."""
         event = max(self._events.pop(request_id, 0), num_events) + 1
-        return RequestDelta(request_id, prompt_len, event, finished=True, error=error)
+        return RequestDelta(
+            request_id, prompt_len, event, finished=True, error=error, error_code=code
+        )
 
     def delta(
         self, group: SequenceGroup, text_deltas: dict[int, str], finished: bool

@@ -104,6 +104,20 @@ def test_equal_requests_finish_in_arrival_order():
     assert [g.request_id for g in finished] == [f"r{i}" for i in range(12)]
 
 
+def test_priority_goes_first_and_is_preempted_last():
+    """Lower priority values run first, FCFS within a priority; under pressure the running
+    group of the highest value (then the latest arrival) is the one preempted."""
+    scheduler = make_scheduler(num_gpu_blocks=10, mode=PreemptionMode.RECOMPUTE)
+    priorities = [5, 5, 0, 5, -1, 0]
+    groups = [add(scheduler, i, 6, 12, priority=p) for i, p in enumerate(priorities)]
+    finished, outputs = run_engine(scheduler, FakeExecutor(scheduler.block_manager))
+    assert [g.request_id for g in finished] == ["r4", "r2", "r5", "r0", "r1", "r3"]
+    victims = {g.request_id for out in outputs for g, _ in out.preempted}
+    assert victims and not victims & {"r4", "r2"}  # the two first in order are never evicted
+    assert_pools_full(scheduler)
+    assert all(len(g.seqs[0].output_token_ids) == 12 for g in groups)
+
+
 def test_no_starvation_long_request_amid_a_stream_of_short_ones():
     scheduler = make_scheduler(num_gpu_blocks=24)
     long_group = add(scheduler, 0, 30, 40)

@@ -1,0 +1,142 @@
+"""Admission rules of a modern engine, on real processes (`pagedserve serve`, the tiny chat
+model): a bounded waiting queue (429 with Retry-After beyond --max-waiting-requests, counted,
+and every admitted request still gets its whole answer), priorities (lower first), and
+deadlines (a request past its timeout ends with deadline_exceeded and frees its blocks)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster import metric, used_blocks
+from tests.services import serve
+
+MAX_TOKENS = 200  # long enough that the burst lands while the first ones run
+BURST = 12
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir: Path):
+    # One sequence runs at a time, so a burst waits; at most 3 may wait.
+    flags = ["--num-gpu-blocks", "64", "--max-num-seqs", "1", "--max-waiting-requests", "3"]
+    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        yield url, model
+
+
+def refused(url: str) -> float:
+    return metric(url, "requests_refused_total")
+
+
+def aborts(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(
+        re.search(r'^pagedserve_requests_total\{finish_reason="abort"\} (\S+)$', text, re.M)[1]
+    )
+
+
+def complete(url: str, model: str, i: int) -> httpx.Response:
+    body = {"model": model, "prompt": f"Story {i}:", "max_tokens": MAX_TOKENS}
+    body |= {"temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+
+def test_a_burst_beyond_the_queue_gets_429_and_the_admitted_finish(server):
+    url, model = server
+    before = refused(url)
+    with ThreadPoolExecutor(BURST) as pool:
+        answers = list(pool.map(lambda i: complete(url, model, i), range(BURST)))
+    ok = [r for r in answers if r.status_code == 200]
+    full = [r for r in answers if r.status_code == 429]
+    assert len(ok) + len(full) == BURST, [r.status_code for r in answers]
+    assert ok and full
+    for r in full:
+        assert r.headers["retry-after"] == "2"
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+    for r in ok:
+        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    assert refused(url) - before == len(full)
+    assert complete(url, model, 99).status_code == 200  # room again once they finished
+
+
+def test_the_openai_client_sees_a_rate_limit_error(server):
+    url, model = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with ThreadPoolExecutor(BURST) as pool:
+        results = list(
+            pool.map(
+                lambda i: _call(client, model, i),
+                range(BURST),
+            )
+        )
+    assert any(isinstance(r, openai.RateLimitError) for r in results)
+    assert all(isinstance(r, openai.RateLimitError | str) for r in results), results
+
+
+def _call(client: openai.OpenAI, model: str, i: int) -> str | Exception:
+    try:
+        return (
+            client.completions.create(
+                model=model, prompt=f"Tale {i}:", max_tokens=MAX_TOKENS, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+    except openai.APIError as e:
+        return e
+
+
+def test_a_lower_priority_value_runs_first(server):
+    """One sequence runs at a time: of the requests waiting behind it, the urgent one that
+    came last finishes before the two that came before it."""
+    url, model = server
+    done: dict[str, float] = {}
+
+    def run(name: str, priority: int, max_tokens: int) -> None:
+        body = {"model": model, "prompt": f"{name}:", "max_tokens": max_tokens}
+        body |= {"temperature": 0, "ignore_eos": True, "priority": priority}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        done[name] = time.monotonic()
+
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(run, "first", 0, MAX_TOKENS)
+        time.sleep(0.5)  # it runs; the others wait behind it
+        later = [pool.submit(run, f"later{i}", 10, 8) for i in range(2)]
+        time.sleep(0.2)
+        urgent = pool.submit(run, "urgent", -5, 8)
+        for future in [first, *later, urgent]:
+            future.result()
+    assert done["urgent"] < min(done["later0"], done["later1"]), done
+
+
+def test_a_request_past_its_timeout_ends_with_deadline_exceeded(server):
+    url, model = server
+    body = {"model": model, "prompt": "Go on:", "max_tokens": 1000, "ignore_eos": True}
+    before = aborts(url)
+    start = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", json=body | {"timeout": 0.5}, timeout=60)
+    assert r.status_code == 504 and time.monotonic() - start < 10
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+    headers = {"X-Request-Timeout": "0.5"}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body | {"stream": True}, headers=headers, timeout=60
+    ) as s:
+        assert s.status_code == 200
+        data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "deadline_exceeded"
+    assert len(data) < 1000  # ended early, not after its 1000 tokens
+    assert aborts(url) - before == 2
+    assert used_blocks(url) == 0
+    bad = httpx.post(f"{url}/v1/completions", json=body | {"timeout": -1}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+    assert complete(url, model, 7).status_code == 200
