@@ -344,12 +344,13 @@ class AsyncEngine:
                 outcome, moved = await asyncio.to_thread(lane.step)
                 if not lane.has_work():
                     await asyncio.to_thread(lane.engine.flush)
+                # Counted before its clients see it; the lane's thread is between steps here.
+                if self.observer is not None:
+                    self.observer.after_step(lane.name, lane.engine, outcome)
                 self._publish(outcome)
                 if lane.retiring:
                     await self.lane_set.retire(lane, moved)
                     return
-                if self.observer is not None:  # the lane's thread is between steps here
-                    self.observer.after_step(lane.name, lane.engine, outcome)
         except asyncio.CancelledError:
             raise
         except (StaleEpochError, StepRefused) as e:

@@ -15,7 +15,7 @@ from pagedserve.step import ExecuteStep, StepResult
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.engine import LLMEngine
 from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit, StoreUnavailableError
-from scheduler_svc.state.streams import EngineDeadError, RequestDelta
+from scheduler_svc.state.streams import EngineDeadError, RequestDelta, RequestFailedError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT = [100, 200, 300, 400]
@@ -73,13 +73,15 @@ def test_a_request_that_cannot_be_journaled_ends_alone(journaled_engine) -> None
     store = InMemoryStateStore()
     poison = SamplingParams(max_tokens=4, stop=("a\ud800b",))
 
-    async def body(engine: AsyncEngine) -> tuple[list, list]:
-        return await asyncio.gather(collect(engine, "bad", poison), collect(engine, "ok", GREEDY))
+    async def body(engine: AsyncEngine) -> list:
+        bad = collect(engine, "bad", poison)
+        return await asyncio.gather(bad, collect(engine, "ok", GREEDY), return_exceptions=True)
 
-    bad, ok = run(journaled_engine(store), body)
-    assert len(bad) == 1 and bad[0].finished and "cannot be journaled" in bad[0].error
+    failure, ok = run(journaled_engine(store), body)
+    assert isinstance(failure, RequestFailedError) and failure.code == "request_failed"
+    assert "cannot be journaled" in str(failure)
     assert ok[-1].finished and ok[-1].error is None and text_of(ok)
-    assert [RequestDelta.from_json(e).error for _, e in store.read_events("bad")] == [bad[0].error]
+    assert [RequestDelta.from_json(e).error for _, e in store.read_events("bad")] == [str(failure)]
     assert store.pending_requests() == [] and store.load().groups == {}
 
 
