@@ -62,7 +62,9 @@ def _check(ok: bool, message: str, param: str) -> None:
 def parse_completion(
     data: dict[str, Any], config: ApiConfig, chat: bool, timeout_header: str | None = None
 ) -> ParsedRequest:
-    """Validate every field named by the OpenAI API that we honour; raise APIError(400)."""
+    """Validate every field named by the OpenAI API that we honour; raise APIError(400),
+    also for a field that would change the answer's meaning and is not supported."""
+    _refuse_unsupported(data)
     model = _get(data, "model", (str,))
     _check(model is not None, "'model' is required", "model")
     prompt, messages = None, None
@@ -87,7 +89,8 @@ def parse_completion(
         (int,),
         16,
     )
-    _check(max_tokens >= 1, f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
+    name = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
+    _check(max_tokens >= 1, f"'{name}' must be >= 1, got {max_tokens}", name)
     temperature = _number(data, "temperature", 0.0 if beam else 1.0)
     _check(
         0 <= temperature <= MAX_TEMPERATURE,
@@ -198,15 +201,64 @@ def _parse_messages(data: dict) -> list[dict[str, str]]:
         "'messages' must be a non-empty list",
         "messages",
     )
+    parsed = []
     for i, m in enumerate(messages):
         _check(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str),
-            f"'messages[{i}]' must have string 'role' and 'content'",
+            and isinstance(m.get("content"), str | list),
+            f"'messages[{i}]' must have a string 'role' and a string or list 'content'",
             f"messages[{i}]",
         )
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        parsed.append({"role": m["role"], "content": _message_text(m["content"], i)})
+    return parsed
+
+
+def _message_text(content: str | list, index: int) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as vLLM joins
+    them). A part of another kind (an image, audio, a file) is refused, by name."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        param = f"messages[{index}].content[{j}]"
+        _check(isinstance(part, dict), f"'{param}' must be an object", param)
+        kind = part.get("type")
+        _check(
+            kind == "text",
+            f"'{param}' is a {kind!r} part; this server reads text parts only",
+            param,
+        )
+        _check(isinstance(part.get("text"), str), f"'{param}.text' must be a string", param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# Fields that would change what the answer means, refused by name until supported; a value
+# that asks for nothing (the one given) is accepted.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def _refuse_unsupported(data: dict) -> None:
+    for name, harmless in _UNSUPPORTED.items():
+        if name in data and data[name] not in harmless:
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
 
 def _parse_logprobs(data: dict, config: ApiConfig, chat: bool) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ class Choice:
         self.finish_reason = out.finish_reason or self.finish_reason
 
 
+# Which build answered, as OpenAI's responses say it; a new version may answer differently.
+SYSTEM_FINGERPRINT = f"pagedserve-{importlib.metadata.version('pagedserve')}"
+
+
 class Renderer:
     """Shapes deltas and finished choices as OpenAI completion or chat responses."""
 
@@ -55,6 +60,7 @@ class Renderer:
             "object": self.object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [self._choice(i, c, final=True) for i, c in enumerate(choices)],
             "usage": self._usage(completion_tokens),
         }
@@ -116,6 +122,7 @@ class Renderer:
             "object": obj,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }
 
@@ -124,9 +131,9 @@ class Renderer:
         body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
         if not self.chat:
             return body | {"text": c.text}
-        key = "message" if final else "delta"
-        content = {"role": "assistant", "content": c.text} if final else {"content": c.text}
-        return body | {key: content}
+        if final:  # no refusals here: the field is there, null, as OpenAI's schema requires
+            return body | {"message": {"role": "assistant", "content": c.text, "refusal": None}}
+        return body | {"delta": {"content": c.text}}
 
     def _logprobs(self, c: Choice) -> dict[str, Any]:
         tokenizer = self.tokenizer
@@ -156,7 +163,7 @@ class Renderer:
             content.append(
                 {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top}
             )
-        return {"content": content}
+        return {"content": content, "refusal": None}
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         return {

@@ -198,6 +198,8 @@ BAD_REQUESTS = [
     ({"model": "M", "prompt": [1, 2, 99999999]}, 400, "prompt"),
     ({"model": "M", "prompt": "x", "stream": True, "best_of": 2}, 400, "stream"),
     ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    ({"model": "M", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"model": "M", "prompt": "x", "echo": True}, 400, "echo"),
 ]
 
 
@@ -228,8 +230,17 @@ CHAT_BAD_REQUESTS = [
     ({"model": "M", "messages": [{"role": 5, "content": "Hi"}]}, 400, "messages[0]"),
     ({"model": "M", "messages": [{"role": "user"}]}, 400, "messages[0]"),
     ({"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0]"),
-    ({"model": "M", "messages": [USER | {"content": [{"type": "text", "text": "Hi"}]}]}, 400,
-     "messages[0]"),
+    ({"model": "M", "messages": [USER | {"content": [{"type": "image_url", "image_url": {
+        "url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0]"),
+    ({"model": "M", "messages": [USER | {"content": ["Hi"]}]}, 400, "messages[0].content[0]"),
+    ({"model": "M", "messages": [USER | {"content": [{"type": "text"}]}]}, 400,
+     "messages[0].content[0]"),
+    ({"model": "M", "messages": [USER], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ({"model": "M", "messages": [USER], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "M", "messages": [USER], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"model": "M", "messages": [USER], "logit_bias": {"50": 10}}, 400, "logit_bias"),
     ({"model": "M", "messages": [USER, USER | {"content": None}]}, 400, "messages[1]"),
     ({"model": "M", "messages": [USER], "n": 0}, 400, "n"),
     ({"model": "M", "messages": [USER], "n": 99}, 400, "n"),
