@@ -95,25 +95,32 @@ def _call(client: openai.OpenAI, model: str, i: int) -> str | Exception:
 
 
 def test_a_lower_priority_value_runs_first(server):
-    """One sequence runs at a time: of the requests waiting behind it, the urgent one that
-    came last finishes before the two that came before it."""
+    """One sequence runs at a time: of the requests waiting behind a long one, the urgent
+    one that came last finishes before the two that came before it."""
     url, model = server
     done: dict[str, float] = {}
 
-    def run(name: str, priority: int, max_tokens: int) -> None:
-        body = {"model": model, "prompt": f"{name}:", "max_tokens": max_tokens}
-        body |= {"temperature": 0, "ignore_eos": True, "priority": priority}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    def run(name: str, priority: int) -> None:
+        body = {"model": model, "prompt": f"{name}:", "max_tokens": 8, "priority": priority}
+        r = httpx.post(f"{url}/v1/completions", json=body | {"temperature": 0}, timeout=300)
         assert r.status_code == 200, r.text
         done[name] = time.monotonic()
 
-    with ThreadPoolExecutor(4) as pool:
-        first = pool.submit(run, "first", 0, MAX_TOKENS)
-        time.sleep(0.5)  # it runs; the others wait behind it
-        later = [pool.submit(run, f"later{i}", 10, 8) for i in range(2)]
-        time.sleep(0.2)
-        urgent = pool.submit(run, "urgent", -5, 8)
-        for future in [first, *later, urgent]:
+    long = {"model": model, "prompt": "Long:", "max_tokens": 1000, "ignore_eos": True}
+    with (
+        ThreadPoolExecutor(3) as pool,
+        httpx.stream("POST", f"{url}/v1/completions", json=long | {"stream": True}) as first,
+    ):
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # it runs
+        later = [pool.submit(run, f"later{i}", 10) for i in range(2)]
+        time.sleep(0.3)
+        urgent = pool.submit(run, "urgent", -5)
+        time.sleep(0.3)
+        assert not done, "the long request must still be running when they all wait"
+        for _ in lines:  # read the long one to its end; then the others run
+            pass
+        for future in [*later, urgent]:
             future.result()
     assert done["urgent"] < min(done["later0"], done["later1"]), done
 
