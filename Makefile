@@ -45,6 +45,7 @@ bench: install
 		--sweep-requests 8 --preempt-tokens 512 --repeats 3 --json $(RES)/sharing.json
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
 		--json $(RES)/routing_chat_prefix.json
+	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
 
@@ -67,6 +68,8 @@ bench-full: install
 		--json $(RES)/full/sharing.json
 	$(PY) bench/routing.py --num-requests 32 --shared-prefix-len 512 \
 		--json $(RES)/full/routing_chat_prefix.json
+	$(PY) bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,256,512,2048 \
+		--json $(RES)/full/long_prompts.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
 

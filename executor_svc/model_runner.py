@@ -84,11 +84,15 @@ class ModelRunner:
         ordered = [seqs[i] for i in order]
         batch = self._prepare(ordered)
         hidden = self.model(batch.input_ids, batch.positions, self.cache.gpu_cache, batch.meta)
-        logits = self.model.compute_logits(hidden[batch.last_token_index])
-        sampled = self.sampler(logits, ordered)
-        outputs: list[SeqOutput] = [None] * len(seqs)  # type: ignore[list-item]
-        for index, output in zip(order, sampled, strict=True):
-            outputs[index] = output
+        # A prompt chunk short of the prompt's end draws nothing: no logits for it.
+        drawing = [i for i, seq in enumerate(ordered) if seq.num_samples > 0]
+        outputs = [SeqOutput(seq.seq_id, [], []) for seq in seqs]
+        if drawing:
+            rows = batch.last_token_index[torch.tensor(drawing, device=self.device)]
+            logits = self.model.compute_logits(hidden[rows])
+            sampled = self.sampler(logits, [ordered[i] for i in drawing])
+            for i, output in zip(drawing, sampled, strict=True):
+                outputs[order[i]] = output
         return outputs
 
     def _prepare(self, seqs: list[SeqStep]) -> ModelInput:

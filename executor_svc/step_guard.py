@@ -60,12 +60,15 @@ def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
 def _validate_samples(seq: SeqStep, name: str, info: ModelInfo) -> None:
     """A group runs only if each of its samples or beams can own two blocks (see
     Scheduler.check_fits), so no valid step draws more samples, or beam candidates (two
-    per beam), than the pool has blocks."""
-    if not 1 <= seq.num_samples <= info.num_gpu_blocks:
+    per beam), than the pool has blocks. None is drawn for a prompt chunk short of the
+    prompt's end, which then runs one step."""
+    if not 0 <= seq.num_samples <= info.num_gpu_blocks:
         raise InvalidArgument(
-            f"{name}.num_samples: {seq.num_samples} outside [1, num_gpu_blocks "
+            f"{name}.num_samples: {seq.num_samples} outside [0, num_gpu_blocks "
             f"{info.num_gpu_blocks}]"
         )
+    if seq.num_samples == 0 and seq.num_steps > 1:
+        raise InvalidArgument(f"{name}.num_steps: {seq.num_steps} steps in a row draw nothing")
     if seq.sampling_params.use_beam_search and seq.num_samples > info.vocab_size:
         raise InvalidArgument(
             f"{name}.num_samples: {seq.num_samples} beams > vocab_size {info.vocab_size}"

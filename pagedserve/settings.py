@@ -53,6 +53,9 @@ class CacheConfig:
 # A server's decode_steps_quiet_s: requests arriving every second or two (light online
 # traffic) keep each call to one step.
 SERVING_DECODE_STEPS_QUIET_S = 2.0
+# Tokens of one step with chunked prefill: a step holding a full chunk takes about as
+# long as 512 prompt tokens, which bounds how long an arriving prompt stalls the streams.
+CHUNKED_PREFILL_BUDGET = 512
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode | None = None
     num_decode_steps: int = 8
     decode_steps_quiet_s: float = 0.0
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -75,10 +79,15 @@ class SchedulerConfig:
             raise ValueError(f"decode_steps_quiet_s must be >= 0, got {self.decode_steps_quiet_s}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}), or a long prompt could never run"
+                f"max_model_len ({self.max_model_len}) without chunked prefill, or a long prompt "
+                "could never run"
             )
 
 
@@ -90,8 +99,16 @@ class EngineOptions:
     max_num_batched_tokens: int | None = field(
         default=None,
         metadata=_help(
-            "tokens computed in one step (prefill + decode); default: 8192 or the model's "
+            "tokens computed in one step (prefill + decode); default: "
+            f"{CHUNKED_PREFILL_BUDGET} with chunked prefill, else 8192 or the model's "
             "max_model_len if longer"
+        ),
+    )
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata=_help(
+            "compute long prompts in chunks that share each step's token budget with the "
+            "running decodes, so that an arriving prompt does not stall every stream"
         ),
     )
     num_decode_steps: int = field(
@@ -127,13 +144,19 @@ class EngineOptions:
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, info.max_model_len),
+            max_num_batched_tokens=self.max_num_batched_tokens or self._default_budget(info),
             max_model_len=info.max_model_len,
             preemption_mode=self.preemption_mode,
             num_decode_steps=self.num_decode_steps,
             decode_steps_quiet_s=self.decode_steps_quiet_s,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return cache, scheduler
+
+    def _default_budget(self, info: ModelInfo) -> int:
+        if self.enable_chunked_prefill:
+            return CHUNKED_PREFILL_BUDGET
+        return max(8192, info.max_model_len)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pagedserve.cli import build_parser
 from pagedserve.flags import env_name, from_args
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import (
+    CHUNKED_PREFILL_BUDGET,
     SERVING_DECODE_STEPS_QUIET_S,
     ApiConfig,
     EngineOptions,
@@ -49,10 +50,16 @@ def test_the_engine_config_follows_the_executor_and_the_options() -> None:
     cache, scheduler = EngineOptions(max_num_seqs=7, enable_prefix_caching=True).configs(INFO)
     assert (cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks) == (16, 64, 8)
     assert cache.enable_prefix_caching and scheduler.max_num_seqs == 7
-    # A step must hold the longest prompt: the budget grows with the model's limit.
-    assert scheduler.max_model_len == scheduler.max_num_batched_tokens == 16384
+    # Chunked prefill (the default) splits long prompts: the budget stays one chunk.
+    assert scheduler.enable_chunked_prefill
+    assert scheduler.max_num_batched_tokens == CHUNKED_PREFILL_BUDGET < INFO.max_model_len
+    # Without it a step must hold the longest prompt: the budget grows with the model's limit.
+    whole = EngineOptions(enable_chunked_prefill=False)
+    assert whole.configs(INFO)[1].max_num_batched_tokens == 16384
     short = dataclasses.replace(INFO, max_model_len=2048)
-    assert EngineOptions().configs(short)[1].max_num_batched_tokens == 8192
+    assert whole.configs(short)[1].max_num_batched_tokens == 8192
+    with pytest.raises(ValueError, match="without chunked prefill"):
+        SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False)
 
 
 @pytest.mark.parametrize(

@@ -96,17 +96,19 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, group: SequenceGroup) -> int:
+    def allocate(self, group: SequenceGroup, max_new_tokens: int | None = None) -> int:
         """Map the waiting sequences' tokens, taking prefix-cached blocks where they match.
 
         Waiting sequences with the same tokens (a fresh prompt, before sampling forks it)
-        share one table. Mutates the GPU pool and sets each sequence's
+        share one table. With ``max_new_tokens`` only that many tokens past the cached
+        prefix are mapped (the first chunk of a prompt computed in chunks; see
+        ``map_chunk``). Mutates the GPU pool and sets each sequence's
         ``num_computed_tokens``.
 
         Returns:
             The number of tokens whose K/V was found in the cache.
         """
-        tables: dict[tuple[int, ...], tuple[list[BlockId], int]] = {}
+        tables: dict[tuple[int, ...], tuple[list[BlockId], int, int]] = {}
         num_cached = 0
         for seq in group.get_seqs(SequenceStatus.WAITING):
             token_ids = seq.get_token_ids()
@@ -115,30 +117,52 @@ class BlockManager:
                 for block_id in tables[key][0]:
                     self.gpu.incref(block_id)
             else:
-                tables[key] = self._allocate_table(token_ids)
+                tables[key] = self._allocate_table(token_ids, max_new_tokens)
                 num_cached += tables[key][1]
-            table, seq.num_computed_tokens = tables[key]
+            table, seq.num_computed_tokens, num_slots = tables[key]
             self.block_tables[seq.seq_id] = list(table)
-            self._num_slots[seq.seq_id] = len(token_ids)
-            self._hashes[seq.seq_id] = self._chain_hashes(token_ids)
+            self._num_slots[seq.seq_id] = num_slots
+            self._hashes[seq.seq_id] = self._chain_hashes(token_ids[:num_slots])
         return num_cached
 
-    def _allocate_table(self, token_ids: list[int]) -> tuple[list[BlockId], int]:
-        """A new table for these tokens and how many leading tokens it found computed."""
+    def _allocate_table(
+        self, token_ids: list[int], max_new_tokens: int | None
+    ) -> tuple[list[BlockId], int, int]:
+        """A new table for these tokens, how many leading tokens it found computed, and
+        how many slots it maps."""
         hits = self._reusable_prefix(token_ids)
         for block_id in hits:
             self.gpu.incref(block_id)
-        num_new = self.blocks_for(len(token_ids)) - len(hits)
-        table = list(hits)
-        for _ in range(num_new):
-            table.append(self.gpu.allocate(after=table[-1] if table else None))
-        for index, block_hash in enumerate(self._chain_hashes(token_ids)):
-            self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
         num_hit_tokens = len(hits) * self.block_size
+        num_slots = len(token_ids)
+        if max_new_tokens is not None:
+            num_slots = min(num_slots, num_hit_tokens + max_new_tokens)
+        table = list(hits)
+        for _ in range(self.blocks_for(num_slots) - len(hits)):
+            table.append(self.gpu.allocate(after=table[-1] if table else None))
+        # Only blocks this step fills are published: a later chunk's are not computed yet.
+        for index, block_hash in enumerate(self._chain_hashes(token_ids[:num_slots])):
+            self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
         if self.enable_prefix_caching:
             self.counters.prefix_cache_queries += len(token_ids)
             self.counters.prefix_cache_hits += num_hit_tokens
-        return table, num_hit_tokens
+        return table, num_hit_tokens, num_slots
+
+    def chunk_room(self, seq: Sequence) -> int:
+        """Slots ``map_chunk`` can still add: the mapped tail block's and free blocks'."""
+        table = self.block_tables[seq.seq_id]
+        return (len(table) + self.gpu.num_free_blocks) * self.block_size - self._num_slots[
+            seq.seq_id
+        ]
+
+    def map_chunk(self, seq: Sequence, num_tokens: int) -> None:
+        """Map the next ``num_tokens`` prompt slots of a sequence computed in chunks (its
+        mapped slots end where its computed tokens do)."""
+        target = self._num_slots[seq.seq_id] + num_tokens
+        if target > seq.get_len():
+            raise ValueError(f"seq {seq.seq_id}: chunk past its {seq.get_len()} tokens")
+        copy = self._map(seq, target)
+        assert copy is None, "a sequence computed in chunks shares no partly filled block"
 
     # -- decode ----------------------------------------------------------------------
 
@@ -154,9 +178,12 @@ class BlockManager:
         Returns:
             The copy-on-write ``(src, dst)`` the executor must apply before the step, or None.
         """
+        return self._map(seq, seq.get_len() + lookahead)
+
+    def _map(self, seq: Sequence, target: int) -> tuple[BlockId, BlockId] | None:
+        """Map slots up to ``target``; returns the copy on write it needed, if any."""
         table = self.block_tables[seq.seq_id]
         num_slots = self._num_slots[seq.seq_id]
-        target = seq.get_len() + lookahead
         copy = None
         if self._writes_shared_tail(seq, target):
             last = table[-1]

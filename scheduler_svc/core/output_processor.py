@@ -50,8 +50,11 @@ class OutputProcessor:
         """
         for scheduled in out.scheduled:
             group = scheduled.group
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens = seq.get_len()
+            running = group.get_seqs(SequenceStatus.RUNNING)
+            for seq in running:
+                seq.num_computed_tokens = min(self.block_manager.num_slots(seq), seq.get_len())
+            if any(seq.num_computed_tokens < seq.get_len() for seq in running):
+                continue  # a prompt chunk: nothing was drawn
             if group.sampling_params.use_beam_search:
                 self._process_beams(group, samples)
             else:

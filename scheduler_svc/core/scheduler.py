@@ -1,4 +1,5 @@
-"""The FCFS scheduler: continuous batching with all-or-nothing preemption (paper §4.5)."""
+"""The FCFS scheduler: continuous batching with all-or-nothing preemption (paper §4.5),
+and chunked prefill: long prompts share each step's token budget with running decodes."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+def is_prefilling(group: SequenceGroup) -> bool:
+    """Whether the group's prompt is part-way through being computed in chunks: it then
+    holds one running sequence with more than its last token still to compute."""
+    seqs = group.get_seqs(SequenceStatus.RUNNING)
+    return len(seqs) == 1 and seqs[0].get_len() - seqs[0].num_computed_tokens > 1
 
 
 def _order(group: SequenceGroup) -> tuple[int, float]:
@@ -129,7 +137,9 @@ class Scheduler:
     # -- the three queues ------------------------------------------------------------
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
-        """Give every running sequence a slot, preempting from the back when blocks run out."""
+        """Give every running sequence a slot, preempting from the back when blocks run out;
+        then give prompts computed in chunks what the decodes left of the token budget."""
+        prefilling = []
         index = 0
         while index < len(self.running):
             group = self.running[index]
@@ -139,9 +149,25 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                self._append_slots(group, out)
-                out.scheduled.append(ScheduledGroup(group, is_prefill=False))
+                if is_prefilling(group):
+                    prefilling.append(group)
+                else:
+                    self._append_slots(group, out)
+                    out.scheduled.append(ScheduledGroup(group, is_prefill=False))
                 index += 1
+        for group in prefilling:
+            self._schedule_chunk(group, out)
+
+    def _schedule_chunk(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """The next chunk of a prompt computed in chunks, as far as budget and blocks go."""
+        (seq,) = group.get_seqs(SequenceStatus.RUNNING)
+        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        room = self.block_manager.chunk_room(seq)
+        num_tokens = min(seq.get_len() - seq.num_computed_tokens, budget, room)
+        if num_tokens > 0:
+            self.block_manager.map_chunk(seq, num_tokens)
+            out.num_batched_tokens += num_tokens
+            out.scheduled.append(ScheduledGroup(group, is_prefill=True))
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped:
@@ -157,6 +183,13 @@ class Scheduler:
             out.scheduled.append(ScheduledGroup(group, is_prefill=False))
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        """Admit waiting groups while blocks, sequences and the token budget allow.
+
+        With chunked prefill a lone sequence's prompt may start with what is left of the
+        budget; a group of several (recomputed after preemption) runs whole, past the
+        budget if it is the step's only prompt, so that it cannot wait forever.
+        """
+        chunked = self.config.enable_chunked_prefill
         while self.waiting:
             group = self.waiting[0]
             status = self.block_manager.can_allocate(group)
@@ -166,19 +199,27 @@ class Scheduler:
                     seq.status = SequenceStatus.FINISHED_IGNORED
                 out.ignored.append(group)
                 continue
+            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            in_chunks = chunked and group.num_seqs(SequenceStatus.WAITING) == 1
             num_tokens = sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+            if in_chunks:
+                fits = budget > 0
+            else:
+                alone = chunked and not any(s.is_prefill for s in out.scheduled)
+                fits = num_tokens <= budget or alone
             if (
                 status == AllocStatus.LATER
-                or out.num_batched_tokens + num_tokens > self.config.max_num_batched_tokens
+                or not fits
                 or self._num_running_seqs() + group.max_num_running_seqs()
                 > self.config.max_num_seqs
             ):
                 break
             self.waiting.pop(0)
-            num_cached = self.block_manager.allocate(group)
+            num_cached = self.block_manager.allocate(group, budget if in_chunks else None)
             for seq in group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
-                out.num_batched_tokens += seq.get_len() - seq.num_computed_tokens
+                num_slots = self.block_manager.num_slots(seq)
+                out.num_batched_tokens += num_slots - seq.num_computed_tokens
             bisect.insort(self.running, group, key=_order)
             out.scheduled.append(ScheduledGroup(group, True, num_cached))
 
@@ -194,6 +235,8 @@ class Scheduler:
         """
         k = self.config.num_decode_steps
         if k == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:
+            return
+        if any(is_prefilling(group) for group in self.running):
             return
         if self.clock() - self.last_added < self.config.decode_steps_quiet_s:
             return
@@ -224,12 +267,15 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict the whole group: to CPU blocks, or freed to recompute from the front of
-        the waiting queue. Swap falls back to recompute when the CPU pool is full."""
+        the waiting queue. Swap falls back to recompute when the CPU pool is full, and a
+        prompt part-way through its chunks is recomputed (its table maps only a part)."""
         mode = self.config.preemption_mode
         if mode is None:
             single = group.num_seqs(SequenceStatus.RUNNING) == 1
             mode = PreemptionMode.RECOMPUTE if single else PreemptionMode.SWAP
-        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
+        if mode == PreemptionMode.SWAP and (
+            is_prefilling(group) or not self.block_manager.can_swap_out(group)
+        ):
             mode = PreemptionMode.RECOMPUTE
         if mode == PreemptionMode.SWAP:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))

@@ -55,6 +55,7 @@ class EngineStats:
     num_steps: int = 0
     num_mixed_steps: int = 0  # steps holding prefill and decode sequences together
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
+    num_prompt_chunks: int = 0  # prompt chunks short of their prompt's end (chunked prefill)
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
     execute_seconds: float = 0.0  # inside Execute calls: the steps, and gRPC for a remote one
     num_quarantined: int = 0  # stored requests recovery had to drop
@@ -385,6 +386,7 @@ class LLMEngine:
         stats.num_prompt_tokens += sum(
             len(s.new_token_ids) for s in step.seqs if len(s.new_token_ids) > 1
         )
+        stats.num_prompt_chunks += sum(s.num_samples == 0 for s in step.seqs)
         for _, mode in out.preempted:
             stats.preemptions[mode.value] = stats.preemptions.get(mode.value, 0) + 1
 
@@ -410,17 +412,18 @@ class LLMEngine:
         params = group.sampling_params
         history = params.has_penalties
         num_slots = self.scheduler.block_manager.num_slots(seq)
+        end = min(num_slots, seq.get_len())  # short of the length: a prompt chunk
         return SeqStep(
             seq_id=seq.seq_id,
-            new_token_ids=seq.get_token_ids()[seq.num_computed_tokens :],
+            new_token_ids=seq.get_token_ids()[seq.num_computed_tokens : end],
             num_computed_tokens=seq.num_computed_tokens,
             block_table=list(self.scheduler.block_manager.get_block_table(seq)),
             sampling_params=params,
-            num_samples=num_samples(group),
+            num_samples=num_samples(group) if end == seq.get_len() else 0,
             sample_index=index,
             prompt_token_ids=seq.prompt_token_ids if history else [],
             output_token_ids=list(seq.output_token_ids) if history else [],  # a copy: grows
-            num_steps=num_slots - seq.get_len() + 1,  # slots mapped ahead: see Scheduler
+            num_steps=max(1, num_slots - seq.get_len() + 1),  # slots mapped ahead: see Scheduler
         )
 
 

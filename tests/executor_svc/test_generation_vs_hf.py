@@ -76,6 +76,7 @@ _ENGINE_ARGS = {
     "enable_prefix_caching",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "enable_chunked_prefill",
 }
 LENGTHS = [16, 23, 40, 77, 130, 201, 350, 500]
 
@@ -111,11 +112,40 @@ def test_tiny_greedy_matches_hf_with_mixed_prefill_and_decode_steps(tiny_model_d
     assert_same_greedy(ours, reference)
 
 
-def test_tiny_greedy_matches_hf_with_prefix_caching(tiny_model_dir):
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},
+        {"num_gpu_blocks": 100, "swap_space": 0.05, "preemption_mode": PreemptionMode.RECOMPUTE},
+        {"num_gpu_blocks": 100, "swap_space": 0.05, "preemption_mode": PreemptionMode.SWAP},
+    ],
+    ids=["roomy", "recompute", "swap"],
+)
+def test_tiny_greedy_matches_hf_with_prompts_in_chunks(tiny_model_dir, tiny_reference, setting):
+    """A 64-token budget splits every prompt past 64 tokens over several steps, each chunk
+    attending to the earlier ones through the cache, decodes batched beside them."""
+    prompts, reference = tiny_reference
+    ours, llm = run_ours(tiny_model_dir, prompts, max_num_batched_tokens=64, **setting)
+    stats = llm.engine.stats
+    assert stats.num_prompt_chunks >= sum(-(-n // 64) - 1 for n in LENGTHS)
+    if "preemption_mode" in setting:
+        assert sum(stats.preemptions.values()) > 0
+    assert_same_greedy(ours, reference)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_tiny_greedy_matches_hf_with_prefix_caching(tiny_model_dir, chunked):
     system = make_prompts(512, [48], seed=7)[0]
     prompts = make_prompts(512, [5, 17, 30, 9], seed=3, prefix=system)
     reference = hf_greedy(tiny_model_dir, prompts, NEW_TOKENS)
-    ours, llm = run_ours(tiny_model_dir, prompts, enable_prefix_caching=True, max_num_seqs=1)
+    ours, llm = run_ours(
+        tiny_model_dir,
+        prompts,
+        enable_prefix_caching=True,
+        max_num_seqs=1,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=20 if chunked else None,
+    )
     assert llm.engine.scheduler.block_manager.counters.prefix_cache_hits >= 3 * 48
     assert_same_greedy(ours, reference)
 

@@ -66,7 +66,8 @@ def _generate(executor: StepExecutor, info: ModelInfo, epoch: int) -> list:
         num_gpu_blocks=info.num_gpu_blocks,
         num_cpu_blocks=info.num_cpu_blocks,
     )
-    sched = SchedulerConfig(max_model_len=info.max_model_len, max_num_batched_tokens=4096)
+    # 16 tokens a step: the longer prompts go in chunks, the first ones drawing nothing.
+    sched = SchedulerConfig(max_model_len=info.max_model_len, max_num_batched_tokens=16)
     engine = LLMEngine(executor, cache, sched, info.eos_token_id)
     engine.epoch = epoch
     rng = random.Random(0)
@@ -79,6 +80,7 @@ def _generate(executor: StepExecutor, info: ModelInfo, epoch: int) -> list:
     ]
     while engine.has_unfinished():
         engine.step()
+    assert engine.stats.num_prompt_chunks > 0
     return [
         [(s.output_token_ids, s.cumulative_logprob, s.output_top_logprobs) for s in g.outputs()]
         for g in groups
@@ -176,7 +178,7 @@ MAX_LEN = 1024  # the tiny model's max_position_embeddings
         ({"num_computed_tokens": -1}, "seqs[0].num_computed_tokens"),
         ({"new_token_ids": list(range(20))}, "seqs[0].block_table"),
         ({"num_computed_tokens": MAX_LEN - 1, "block_table": [0] * 65}, "max_model_len"),
-        ({"num_samples": 0}, "seqs[0].num_samples"),
+        ({"num_samples": 0, "num_steps": 2}, "seqs[0].num_steps"),  # a chunk draws nothing
         ({"num_steps": 2}, "seqs[0].num_steps"),  # steps in a row of four samples each
         ({"num_samples": 1, "num_steps": 15}, "seqs[0].block_table"),  # 17 positions
         (

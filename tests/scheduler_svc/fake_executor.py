@@ -44,9 +44,9 @@ class FakeExecutor:
             _Run(
                 s.group,
                 seq,
-                seq.get_token_ids(),
+                seq.get_token_ids()[: bm.num_slots(seq)],  # short of the length: a chunk
                 seq.num_computed_tokens,
-                bm.num_slots(seq) - seq.get_len() + 1,
+                max(1, bm.num_slots(seq) - seq.get_len() + 1),
             )
             for s in out.scheduled
             for seq in s.group.get_seqs(SequenceStatus.RUNNING)
@@ -61,6 +61,9 @@ class FakeExecutor:
                 table = bm.get_block_table(run.seq)
                 seen = [self._read(table, pos) for pos in range(len(run.tokens))]
                 assert seen == run.tokens, f"seq {run.seq.seq_id} reads a corrupted cache"
+                if len(run.tokens) < run.seq.get_len():
+                    samples[run.seq.seq_id] = SeqOutput(run.seq.seq_id, [], [])
+                    continue
                 drawn = samples[run.seq.seq_id] = self._draw(run.group, run.seq, run.tokens)
                 run.computed = len(run.tokens)
                 run.tokens = [*run.tokens, drawn.token_ids[0]]

@@ -66,7 +66,13 @@ def reference(tiny_chat_model_dir: Path) -> list[str]:
     return [r.outputs[0].text for r in results]
 
 
-def scheduler(redis_url: str, executor: str, namespace: str, crash_at: str | None = None):
+def scheduler(
+    redis_url: str,
+    executor: str,
+    namespace: str,
+    crash_at: str | None = None,
+    flags: tuple[str, ...] = (),
+):
     port = free_port()
     env = {"PAGEDSERVE_CRASH_AT": crash_at} if crash_at else {}
     proc = start(
@@ -80,6 +86,7 @@ def scheduler(redis_url: str, executor: str, namespace: str, crash_at: str | Non
             redis_url,
             "--namespace",
             namespace,
+            *flags,
         ],
         f"scheduler-{port}.log",
         env,
@@ -105,11 +112,25 @@ def used_blocks(url: str) -> float:
     return float(re.search(r'^pagedserve_kv_blocks_used\{device="gpu"\} (\S+)$', text, re.M)[1])
 
 
-@pytest.mark.parametrize("where", ["before_persist", "after_persist", "after_execute"])
-def test_kill_9_at_a_step_boundary_loses_nothing(redis_url, executor, namespace, reference, where):
-    proc, url = scheduler(redis_url, executor, namespace, crash_at=f"{where}:4")
+@pytest.mark.parametrize(
+    ("where", "budget"),
+    [
+        ("before_persist", None),
+        ("after_persist", None),
+        ("after_execute", None),
+        # Three tokens a step: the crash falls while the prompts go in chunks.
+        ("after_persist", 3),
+        ("after_execute", 3),
+    ],
+)
+def test_kill_9_at_a_step_boundary_loses_nothing(
+    redis_url, executor, namespace, reference, where, budget
+):
+    flags = ("--max-num-batched-tokens", str(budget)) if budget else ()
+    step = 2 if budget else 4
+    proc, url = scheduler(redis_url, executor, namespace, f"{where}:{step}", flags)
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    ids = [f"req-{where}-{i}" for i in range(len(PROMPTS))]
+    ids = [f"req-{where}-{budget}-{i}" for i in range(len(PROMPTS))]
 
     def first_try(i: int) -> None:  # cut off by the crash
         with contextlib.suppress(httpx.HTTPError):
@@ -129,7 +150,7 @@ def test_kill_9_at_a_step_boundary_loses_nothing(redis_url, executor, namespace,
         stop(proc)
     for t in threads:
         t.join(timeout=60)
-    proc, url = scheduler(redis_url, executor, namespace)
+    proc, url = scheduler(redis_url, executor, namespace, flags=flags)
     try:
         for i, request_id in enumerate(ids):  # the clients retry with their request ids
             r = httpx.post(

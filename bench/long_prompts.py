@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Long prompts arriving into running streams: what chunked prefill buys.
+
+A few chat-sized streams decode through `pagedserve serve`; while they run, prompts of
+thousands of tokens arrive one after another. Without chunking each long prompt is one
+prefill step that stalls every stream for its whole length; with it the prompt shares each
+step's token budget with the decodes. Reported per setting: the streams' inter-token
+latency (p50, p99, max) and time per output token while the long prompts were in the
+server, and each long prompt's time to first token.
+
+    python bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,512,2048 \\
+        --json bench/results/long_prompts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as `python bench/long_prompts.py`: bench/kernels.py would shadow `kernels`.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import httpx
+
+from bench.common import VOCAB_SIZE, percentile, print_table, progress, pyplot, write_json
+from bench.launch import pagedserve_server
+
+
+async def stream(client: httpx.AsyncClient, payload: dict, times: list[float]) -> None:
+    """POST a streaming completion, appending the arrival time of each chunk with a token
+    to ``times`` (kept when the task is cancelled part-way)."""
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")[:200]
+            raise RuntimeError(f"HTTP {response.status_code}: {body}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+
+
+async def run_setting(url: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Streams first; once they decode, the long prompts one by one; then the streams end."""
+    rng = random.Random(args.seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+    base: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True, "stream": True}
+    limits = httpx.Limits(max_connections=args.streams + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        base["model"] = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await stream(client, base | {"prompt": prompt(8), "max_tokens": 4}, [])  # warm-up
+        stream_times: list[list[float]] = [[] for _ in range(args.streams)]
+        payload = base | {"max_tokens": args.max_model_len - args.stream_prompt}
+        streams = [
+            asyncio.create_task(stream(client, payload | {"prompt": prompt(args.stream_prompt)}, t))
+            for t in stream_times
+        ]
+        await asyncio.sleep(args.lead)
+        window_start, ttfts = time.perf_counter(), []
+        with progress(len(args.long_lens), f"{name}: long prompts") as bar:
+            for n in args.long_lens:
+                sent, times = time.perf_counter(), []
+                await stream(client, base | {"prompt": prompt(n), "max_tokens": 4}, times)
+                ttfts.append(times[0] - sent)
+                bar.update(1)
+                await asyncio.sleep(args.gap)
+        window = (window_start, time.perf_counter())
+        failed = [task.exception() for task in streams if task.done() and task.exception()]
+        for task in streams:
+            task.cancel()  # closes the connection: the server aborts the request
+        await asyncio.gather(*streams, return_exceptions=True)
+    if failed:
+        raise RuntimeError(f"a stream failed: {failed[0]!r}")
+    return summarize(stream_times, ttfts, window)
+
+
+def summarize(
+    stream_times: list[list[float]], ttfts: list[float], window: tuple[float, float]
+) -> dict[str, Any]:
+    """The streams' gaps between tokens inside the window, and the long prompts' TTFTs."""
+    gaps, tpots = [], []
+    for times in stream_times:
+        inside = [t for t in times if window[0] <= t <= window[1]]
+        gaps += [b - a for a, b in itertools.pairwise(inside)]
+        if len(inside) > 1:
+            tpots.append((inside[-1] - inside[0]) / (len(inside) - 1))
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000, 1)
+
+    return {
+        "stream_tokens": sum(len(t) for t in stream_times),
+        "itl_ms": {
+            "p50": ms(percentile(gaps, 50)),
+            "p99": ms(percentile(gaps, 99)),
+            "max": ms(max(gaps, default=None)),
+        },
+        "tpot_ms": {"mean": ms(statistics.fmean(tpots)) if tpots else None},
+        "long_prompt_ttft_s": [round(t, 3) for t in ttfts],
+        "window_s": round(window[1] - window[0], 2),
+    }
+
+
+def setting_flags(setting: str) -> dict[str, Any]:
+    """``off``: whole prompts; a number: chunked prefill with that token budget."""
+    if setting == "off":
+        return {"no_enable_chunked_prefill": True}
+    return {"enable_chunked_prefill": True, "max_num_batched_tokens": int(setting)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results = {}
+    for setting in args.settings:
+        flags = {
+            "model": args.model,
+            "dtype": "float32",
+            "max_model_len": args.max_model_len,
+            "num_gpu_blocks": args.num_gpu_blocks,
+        }
+        with pagedserve_server(flags | setting_flags(setting)) as url:
+            results[setting] = asyncio.run(run_setting(url, args, f"chunks {setting}"))
+    return results
+
+
+def print_results(results: dict[str, Any], long_lens: list[int]) -> None:
+    headers = ["chunked prefill", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "TPOT mean ms"]
+    headers += [f"TTFT {n} tok s" for n in long_lens]
+    rows = []
+    for setting, r in results.items():
+        itl = r["itl_ms"]
+        label = "off" if setting == "off" else f"on, {setting} tokens/step"
+        rows.append([label, itl["p50"], itl["p99"], itl["max"], r["tpot_ms"]["mean"]])
+        rows[-1] += r["long_prompt_ttft_s"]
+    print_table(headers, rows)
+
+
+def plot(results: dict[str, Any], long_lens: list[int], path: Path) -> None:
+    """Streams' ITL p99 and the long prompts' TTFT, one bar group per setting."""
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(results)
+    left.bar(names, [results[n]["itl_ms"]["p99"] for n in names])
+    left.set_ylabel("streams' inter-token latency p99 (ms)")
+    left.set_xlabel("chunk budget (tokens/step)")
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(long_lens))]
+        right.bar(xs, results[name]["long_prompt_ttft_s"], width, label=name)
+    right.set_xticks([j + 0.4 - width / 2 for j in range(len(long_lens))], map(str, long_lens))
+    right.set_xlabel("long prompt (tokens)")
+    right.set_ylabel("time to first token (s)")
+    right.legend(title="chunk budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--settings", default="off,512", help="off, or chunk budgets in tokens")
+    p.add_argument("--long-lens", default="2000,4000", help="long prompts' lengths, in order")
+    p.add_argument("--streams", type=int, default=8, help="streams decoding throughout")
+    p.add_argument("--stream-prompt", type=int, default=64, help="each stream's prompt tokens")
+    p.add_argument("--lead", type=float, default=3.0, help="seconds of streams before")
+    p.add_argument("--gap", type=float, default=2.0, help="seconds between long prompts")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
+    args = p.parse_args(argv)
+    args.settings = args.settings.split(",")
+    args.long_lens = [int(n) for n in args.long_lens.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print(
+        f"{args.streams} streams ({args.stream_prompt}-token prompts, greedy) with long prompts "
+        f"of {args.long_lens} tokens arriving {args.gap:g} s apart; model {args.model}, fp32"
+    )
+    print_results(results, args.long_lens)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        write_json(args.json, config, {"settings": results})
+        plot(results, args.long_lens, args.json.with_suffix(".png"))
+        print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

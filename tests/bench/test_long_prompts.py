@@ -1,0 +1,41 @@
+"""The long-prompt benchmark: streams keep decoding while long prompts arrive, through a
+real `pagedserve serve` with and without chunked prefill."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.long_prompts import summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_summary_keeps_only_the_window() -> None:
+    streams = [[0.0, 1.0, 1.5, 2.0, 9.0], [1.2, 1.4, 2.4]]
+    s = summarize(streams, ttfts=[0.5], window=(1.0, 3.0))
+    assert s["itl_ms"]["max"] == 1000.0  # 1.4 -> 2.4; 0.0 and 9.0 are outside
+    assert s["itl_ms"]["p50"] == pytest.approx(500.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx((500.0 + 600.0) / 2)
+    assert s["stream_tokens"] == 8 and s["long_prompt_ttft_s"] == [0.5]
+
+
+def test_long_prompts_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    out = tmp_path / "long.json"
+    cmd = [sys.executable, str(ROOT / "bench/long_prompts.py"), f"--model={tiny_chat_model_dir}"]
+    cmd += ["--settings=off,32", "--long-lens=200,300", "--streams=2", "--stream-prompt=8"]
+    cmd += ["--lead=0.5", "--gap=0.2", "--max-model-len=1024", "--num-gpu-blocks=256"]
+    cmd.append(f"--json={out}")
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "on, 32 tokens/step" in done.stdout
+    settings = json.loads(out.read_text())["settings"]
+    assert list(settings) == ["off", "32"]
+    for s in settings.values():
+        assert len(s["long_prompt_ttft_s"]) == 2 and min(s["long_prompt_ttft_s"]) > 0
+        assert s["stream_tokens"] > 0 and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["max"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
