@@ -57,6 +57,7 @@ class Executor:
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.cache: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        self._end_step_id: int | None = None  # see end_steps
 
     def init_cache(self) -> ModelInfo:
         """Allocate the KV pool and the swap pool from the configured budget.
@@ -105,7 +106,13 @@ class Executor:
             cache.swap_out(step.blocks_to_swap_out)
             cache.swap_in(step.blocks_to_swap_in)
             cache.copy(step.blocks_to_copy)
-            return StepResult(step.step_id, runner.execute(step.seqs))
+            outputs = runner.execute(step.seqs, lambda: self._end_step_id == step.step_id)
+            return StepResult(step.step_id, outputs)
+
+    def end_steps(self, step_id: int) -> None:
+        """Have step ``step_id``, running or next, stop its decode steps in a row after the
+        current one. Safe from another thread while the step runs: the step only reads it."""
+        self._end_step_id = step_id
 
     def copy_blocks(self, pairs: BlockPairs) -> None:
         """Copy-on-write ``(src, dst)`` pairs in the KV pool outside a step."""

@@ -7,7 +7,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pagedserve.model_info import ModelInfo
-from pagedserve.step import BlockPairs, ExecuteStep
+from pagedserve.step import BlockPairs, ExecuteStep, StepResult
 
 log = structlog.get_logger("executor_svc.metrics")
 
@@ -35,6 +35,11 @@ class ExecutorMetrics:
         self.forward_seqs = Counter(
             "pagedserve_executor_forward_seqs", "sequences in the forward passes", registry=r
         )
+        self.steps_ended_early = Counter(
+            "pagedserve_executor_steps_ended_early",
+            "calls of decode steps in a row cut short because a request arrived (EndSteps)",
+            registry=r,
+        )
         self.replayed_steps = Counter(
             "pagedserve_executor_replayed_steps", "steps answered from the ledger", registry=r
         )
@@ -56,10 +61,19 @@ class ExecutorMetrics:
         self.pool_blocks.labels("gpu").set(info.num_gpu_blocks)
         self.pool_blocks.labels("cpu").set(info.num_cpu_blocks)
 
-    def observe_step(self, step: ExecuteStep, seconds: float) -> None:
+    def observe_step(self, step: ExecuteStep, result: StepResult, seconds: float) -> None:
         self.step_seconds.observe(seconds)
-        self.forward_tokens.inc(sum(len(s.new_token_ids) + s.num_steps - 1 for s in step.seqs))
-        self.forward_seqs.inc(sum(s.num_steps for s in step.seqs))
+        # Decode steps each sequence ran: fewer than asked when the call ended early.
+        runs = [
+            len(o.token_ids) if s.num_steps > 1 else 1
+            for s, o in zip(step.seqs, result.outputs, strict=True)
+        ]
+        self.forward_tokens.inc(
+            sum(len(s.new_token_ids) + run - 1 for s, run in zip(step.seqs, runs, strict=True))
+        )
+        self.forward_seqs.inc(sum(runs))
+        if any(run < s.num_steps for s, run in zip(step.seqs, runs, strict=True)):
+            self.steps_ended_early.inc()
         self.observe_cache_ops(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
 
     def observe_cache_ops(

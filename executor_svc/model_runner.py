@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,13 @@ class ModelRunner:
             ops.cpu_extension()  # built (first time only) now rather than inside a step
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqStep]) -> list[SeqOutput]:
+    def execute(
+        self, seqs: list[SeqStep], end_early: Callable[[], bool] = lambda: False
+    ) -> list[SeqOutput]:
         """Compute every sequence's new tokens against its cached context and draw samples;
         a sequence with ``num_steps`` k > 1 then decodes k - 1 more tokens, batched with
-        the others still going.
+        the others still going, unless ``end_early()`` (asked on rank 0 between two decode
+        steps) says a request is waiting: every sequence then answers what it drew so far.
 
         Writes the new tokens' K/V into the KV pool. Returns outputs in input order.
         """
@@ -55,9 +59,12 @@ class ModelRunner:
         current = list(seqs)
         going = [i for i, seq in enumerate(seqs) if seq.num_steps > 1]
         while going:
-            drawn = self._agreed(
-                [outputs[i].token_ids[-1] if outputs[i].token_ids else 0 for i in going]
+            drawn, end = self._agreed(
+                [outputs[i].token_ids[-1] if outputs[i].token_ids else 0 for i in going],
+                end_early(),
             )
+            if end:
+                break
             for i, token_id in zip(going, drawn, strict=True):
                 current[i] = current[i].advance(token_id)
             for i, more in zip(going, self._forward([current[i] for i in going]), strict=True):
@@ -67,13 +74,15 @@ class ModelRunner:
             going = [i for i in going if current[i].num_steps > 1]
         return outputs
 
-    def _agreed(self, token_ids: list[int]) -> list[int]:
-        """Rank 0's draws on every rank: only rank 0 samples under tensor parallelism."""
+    def _agreed(self, token_ids: list[int], end: bool) -> tuple[list[int], bool]:
+        """Rank 0's draws, and whether it ends the run here, on every rank: only rank 0
+        samples under tensor parallelism and hears of waiting requests."""
         if self.shard is None:
-            return token_ids
-        tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            return token_ids, end
+        tensor = torch.tensor([*token_ids, int(end)], dtype=torch.long, device=self.device)
         self.shard.broadcast(tensor)
-        return tensor.tolist()
+        *agreed, ended = tensor.tolist()
+        return agreed, bool(ended)
 
     def _forward(self, seqs: list[SeqStep]) -> list[SeqOutput]:
         """One forward pass over the batch and one draw for each sequence, in input order."""

@@ -122,8 +122,11 @@ def _draw(logits: torch.Tensor, logprobs: torch.Tensor, seqs: list[SeqStep]) -> 
     """
     device = logprobs.device
     max_samples = max(seq.num_samples for seq in seqs)
-    token_ids = logits.argmax(dim=-1, keepdim=True).repeat(1, max_samples)
     params = _params(seqs)
+    if all(p.temperature > 0 and not p.use_beam_search for p in params):
+        token_ids = torch.zeros(len(seqs), max_samples, dtype=torch.long, device=device)
+    else:
+        token_ids = logits.argmax(dim=-1, keepdim=True).repeat(1, max_samples)
     beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
     if beam_rows:
         num_beams = max(seqs[i].num_samples for i in beam_rows)
@@ -134,12 +137,34 @@ def _draw(logits: torch.Tensor, logprobs: torch.Tensor, seqs: list[SeqStep]) -> 
     if random_rows:
         random_t = torch.tensor(random_rows, device=device)
         random_seqs = [seqs[i] for i in random_rows]
-        probs = _truncated_probs(logprobs[random_t], _params(random_seqs))
+        rows_logprobs = logprobs if len(random_rows) == len(seqs) else logprobs[random_t]
+        probs = _probs(rows_logprobs, _params(random_seqs))
         rows = [i for i in random_rows for _ in range(seqs[i].num_samples)]
         cols = [j for i in random_rows for j in range(seqs[i].num_samples)]
-        draws = _exponential_race(probs, random_seqs)  # [sum(num_samples)]
+        draws = _inverse_cdf(probs, random_seqs)  # [sum(num_samples)]
         token_ids[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = draws
     return token_ids
+
+
+def _probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row draws from: truncated where its parameters ask (a sort of
+    the vocabulary per row), else the softmax alone, which is what truncation that drops
+    nothing computes, so a row's result never depends on its neighbours' parameters.
+
+    Args:
+        logprobs: ``[num_rows, vocab_size]`` scaled log-probabilities.
+    """
+    vocab_size = logprobs.shape[1]
+    truncates = [0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0 for p in params]
+    if not any(truncates):
+        return logprobs.softmax(dim=-1)
+    if all(truncates):
+        return _truncated_probs(logprobs, params)
+    probs = logprobs.softmax(dim=-1)
+    rows = [i for i, t in enumerate(truncates) if t]
+    rows_t = torch.tensor(rows, device=logprobs.device)
+    probs[rows_t] = _truncated_probs(logprobs[rows_t], [params[i] for i in rows])
+    return probs
 
 
 def _truncated_probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -175,31 +200,36 @@ def _truncated_probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> to
     return logprobs.masked_fill(drop, float("-inf")).softmax(dim=-1)
 
 
-def _exponential_race(probs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
-    """Independent draws as ``argmax(probs / Exp(1) noise)``, one noise row per sample
-    (no padding to the widest row); a seeded row's noise comes from its own generator,
-    so its draws ignore every other row.
+def _inverse_cdf(probs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
+    """Independent draws, one uniform number per sample looked up in its row's cumulative
+    distribution (one number per sample, not per vocabulary entry as a race of noise
+    needs); a seeded row's numbers come from its own generator, so its draws ignore every
+    other row.
+
+    A number u in (0, 1] finds the first token whose running sum reaches u times the
+    row's total: that token has mass, and rounding cannot carry u past the last one.
 
     Args:
         probs: ``[num_rows, vocab_size]``, row ``i`` for ``seqs[i]``.
     Returns:
         ``[sum(num_samples)]`` long, row 0's samples first.
     """
-    vocab_size, device = probs.shape[1], probs.device
+    device = probs.device
     counts = [seq.num_samples for seq in seqs]
-    noise = torch.empty(sum(counts), vocab_size, device=device)
-    noise.exponential_()  # [total_samples, vocab_size], global RNG
+    uniform = torch.rand(sum(counts), device=device)  # global RNG
     start = 0
     for seq, count in zip(seqs, counts, strict=True):
         seed = seq.sampling_params.seed
         if seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(derive_seed(seed, seq.sample_index, seq.context_len))
-            noise[start : start + count].exponential_(generator=generator)
+            uniform[start : start + count] = torch.rand(count, generator=generator, device=device)
         start += count
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    sample_rows = torch.repeat_interleave(torch.tensor(counts, device=device))
-    return (probs[sample_rows] / noise).argmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)  # [num_rows, vocab_size], never decreasing
+    if len(uniform) > len(seqs):  # several samples of a row: one cdf row each
+        cdf = cdf[torch.repeat_interleave(torch.tensor(counts, device=device))]
+    targets = ((1 - uniform) * cdf[:, -1]).unsqueeze(1)  # in (0, total]
+    return torch.searchsorted(cdf, targets).squeeze(1)
 
 
 def derive_seed(seed: int, sample_index: int, position: int) -> int:

@@ -158,8 +158,15 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         s.num_blocks_swapped_out += len(step.blocks_to_swap_out)
         s.num_blocks_swapped_in += len(step.blocks_to_swap_in)
         s.num_blocks_copied += len(step.blocks_to_copy)
-        self.metrics.observe_step(step, elapsed)
+        self.metrics.observe_step(step, result, elapsed)
         return result
+
+    async def EndSteps(
+        self, request: pb.EndStepsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EndStepsResponse:
+        """Outside the lock, which the step it ends holds while it runs."""
+        self.executor.end_steps(request.step_id)
+        return pb.EndStepsResponse()
 
     async def CopyBlocks(
         self, request: pb.CopyBlocksRequest, context: grpc.aio.ServicerContext

@@ -38,6 +38,7 @@ def test_stubs_import_and_name_every_service() -> None:
         (executor_pb2, "Executor", executor_pb2_grpc.ExecutorStub): {
             "InitCache",
             "Execute",
+            "EndSteps",
             "CopyBlocks",
             "SwapBlocks",
             "GetStats",

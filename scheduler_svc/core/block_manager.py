@@ -197,6 +197,18 @@ class BlockManager:
         self._register_full_blocks(seq, len(self._hashes[seq.seq_id]))
         return copy
 
+    def unmap_ahead(self, seq: Sequence) -> None:
+        """Give back the slots mapped for decode steps in a row that did not run (the call
+        ended early), and any block only they used: the table ends at the last computed
+        token again."""
+        target = seq.get_len() - 1
+        if self._num_slots[seq.seq_id] <= target:
+            return
+        table = self.block_tables[seq.seq_id]
+        while len(table) > self.blocks_for(target):
+            self.gpu.free(table.pop())
+        self._num_slots[seq.seq_id] = target
+
     def blocks_to_append(self, seq: Sequence, lookahead: int) -> int:
         """New blocks ``append_slots(seq, lookahead)`` would take, a copy on write included."""
         target = seq.get_len() + lookahead

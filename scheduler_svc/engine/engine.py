@@ -77,6 +77,9 @@ class StepExecutor(Protocol):
 
     def execute(self, step: ExecuteStep) -> StepResult: ...
 
+    def end_steps(self, step_id: int) -> None:
+        """Ask step ``step_id`` to stop its decode steps in a row after the current one."""
+
 
 class LLMEngine:
     """Owns the scheduler and drives an executor one step at a time."""
@@ -104,6 +107,7 @@ class LLMEngine:
         self.seq_ids = seq_ids if seq_ids is not None else IdCounter()
         self.processor = OutputProcessor(self.scheduler, eos_token_id, self.seq_ids)
         self._step_ids = IdCounter()
+        self._steps_in_a_row: int | None = None  # the call in flight, when it runs several
         self.epoch = 0
         self.stats = EngineStats()
         self.streams = StreamTracker()
@@ -223,14 +227,26 @@ class LLMEngine:
             journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
             journal.crash_if_asked("after_persist")
         start = time.perf_counter()
+        if any(s.num_steps > 1 for s in step.seqs):
+            self._steps_in_a_row = step.step_id
         try:
             result = self.executor.execute(step)
         except ExecutorRestarted as e:
             return self._recompute_all(e.instance_id)
+        finally:
+            self._steps_in_a_row = None
         self.stats.execute_seconds += time.perf_counter() - start
         if journal is not None:
             journal.crash_if_asked("after_execute")
         return self._apply(out, step, result)
+
+    def end_steps(self) -> None:
+        """A request arrived: have a call decoding several steps in a row stop after the
+        step it is running, so the newcomer waits one decode step, not all of them. Called
+        from other threads while ``step`` runs; a call that already answered is left be."""
+        step_id = self._steps_in_a_row
+        if step_id is not None:
+            self.executor.end_steps(step_id)
 
     def _recompute_all(self, instance_id: str) -> StepOutcome:
         """The executor came back empty: the step in flight is void, all groups restart."""
@@ -257,6 +273,9 @@ class LLMEngine:
                     self._detokenize(outcome, stops)
             if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
                 self._detokenize(outcome, outcome.groups)
+            for group in outcome.groups:  # a run ended early leaves slots it did not use
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    self.scheduler.block_manager.unmap_ahead(seq)
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
         for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
@@ -432,11 +451,10 @@ def _one_step_at_a_time(step: ExecuteStep, result: StepResult) -> Iterator[dict[
     ``num_steps`` in a row answer one token per step, applied (and stopped) as if each had
     come back on its own."""
     outputs = result.outputs
-    num_steps = max((s.num_steps for s in step.seqs), default=1)
-    if num_steps == 1:
+    if max((s.num_steps for s in step.seqs), default=1) == 1:
         yield {o.seq_id: o for o in outputs}
         return
-    for i in range(num_steps):
+    for i in range(max(len(o.token_ids) for o in outputs)):  # fewer when it ended early
         yield {
             o.seq_id: SeqOutput(
                 o.seq_id, o.token_ids[i : i + 1], o.logprobs[i : i + 1], o.top_logprobs[i : i + 1]

@@ -94,6 +94,12 @@ class ExecutorClient:
             )
         return result_from_pb(response)
 
+    def end_steps(self, step_id: int) -> grpc.Future:
+        """Ask step ``step_id`` to stop its decode steps in a row early; returns at once.
+        The engine does not wait for the answer: the step answers what it drew either way."""
+        request = pb.EndStepsRequest(step_id=step_id)
+        return self._stub.EndSteps.future(request, timeout=self.call_timeout)
+
     def copy_blocks(self, blocks_to_copy: BlockPairs) -> int:
         """Copy ``(src, dst)`` blocks inside the KV pool; returns how many."""
         request = pb.CopyBlocksRequest(blocks_to_copy=pairs_to_pb(blocks_to_copy))

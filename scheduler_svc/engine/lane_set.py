@@ -286,6 +286,7 @@ class LaneSet:
             else:
                 lane.arriving.append(item)
         lane.wake.set()
+        lane.engine.end_steps()  # the newcomer waits one decode step, not a whole call
 
     def abort(self, request_id: str) -> None:
         """Have the lane running the request stop it before its next step, or drop it

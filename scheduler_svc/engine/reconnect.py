@@ -59,6 +59,9 @@ class ReconnectingExecutor:
             finally:
                 self.calling = False
 
+    def end_steps(self, step_id: int) -> None:
+        self.client.end_steps(step_id)
+
     def _reconnect(self) -> None:
         while True:
             if self.abandoned:

@@ -13,6 +13,7 @@ from executor_svc.executor import Executor
 from pagedserve.model_files import load_tokenizer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
+from pagedserve.step import ExecuteStep, StepResult
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine
 
@@ -45,11 +46,32 @@ def executor(tiny_chat_model_dir: Path) -> Executor:
     return Executor(ExecutorConfig(model=str(tiny_chat_model_dir), num_gpu_blocks=128))
 
 
-def generate(executor: Executor, params: list[SamplingParams], num_decode_steps: int):
+@dataclasses.dataclass
+class ArrivalsEveryOtherCall:
+    """The executor, told before every other call of decode steps in a row to end it after
+    its first step, as EndSteps does when a request arrives while a call runs."""
+
+    executor: Executor
+    num_ended: int = 0
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        if any(s.num_steps > 1 for s in step.seqs) and step.step_id % 2:
+            self.executor.end_steps(step.step_id)
+            self.num_ended += 1
+        return self.executor.execute(step)
+
+    def end_steps(self, step_id: int) -> None:
+        self.executor.end_steps(step_id)
+
+
+def generate(
+    executor: Executor | ArrivalsEveryOtherCall, params: list[SamplingParams], num_decode_steps: int
+):
     """The requests to the end through an engine that detokenizes (stop strings) and the
-    number of executor calls it took."""
-    info = executor.init_cache()
-    tokenizer = load_tokenizer(executor.model_path)
+    number of executor calls it took; the block tables are checked after every call."""
+    model = executor.executor if isinstance(executor, ArrivalsEveryOtherCall) else executor
+    info = model.init_cache()
+    tokenizer = load_tokenizer(model.model_path)
     engine = LLMEngine(
         executor,
         CacheConfig(block_size=info.block_size, num_gpu_blocks=info.num_gpu_blocks),
@@ -62,6 +84,8 @@ def generate(executor: Executor, params: list[SamplingParams], num_decode_steps:
     finished = {}
     while engine.has_unfinished():
         finished |= {g.request_id: g for g in engine.step().finished}
+        engine.scheduler.block_manager.check_integrity()
+    assert not engine.scheduler.block_manager.block_tables
     outputs = [
         [
             (
@@ -109,3 +133,20 @@ def test_steps_in_a_row_equal_one_step_at_a_time(
         assert [o[:2] + o[3:] for o in got] == [o[:2] + o[3:] for o in want], f"request {index}"
         assert [o[2] for o in got] == pytest.approx([o[2] for o in want], abs=1e-4)
     assert steps < reference_steps
+
+
+def test_calls_ended_early_by_arrivals_equal_one_step_at_a_time(
+    executor: Executor,
+    stopping_params: list[SamplingParams],
+    one_at_a_time: tuple[Outputs, int],
+) -> None:
+    """Half the calls of eight decode steps stop after one: the engine applies what came
+    back and unmaps the slots it had mapped for the rest."""
+    reference, _ = one_at_a_time
+    arrivals = ArrivalsEveryOtherCall(executor)
+    outputs, steps = generate(arrivals, stopping_params, 8)
+    _, uncut_steps = generate(executor, stopping_params, 8)
+    assert arrivals.num_ended > 0 and steps > uncut_steps
+    for index, (got, want) in enumerate(zip(outputs, reference, strict=True)):
+        assert [o[:2] + o[3:] for o in got] == [o[:2] + o[3:] for o in want], f"request {index}"
+        assert [o[2] for o in got] == pytest.approx([o[2] for o in want], abs=1e-4)

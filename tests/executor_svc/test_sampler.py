@@ -146,9 +146,11 @@ def test_draws_follow_tempered_softmax(temperature: float) -> None:
     assert chi_square < 20.5  # 5 degrees of freedom, p ~ 0.001
 
 
-def test_seeded_draws_ignore_batch_composition_and_row_order() -> None:
+@pytest.mark.parametrize("truncation", [{"top_p": 0.95}, {}], ids=["top_p", "none"])
+def test_seeded_draws_ignore_batch_composition_and_row_order(truncation: dict) -> None:
+    """Beside rows that truncate and rows that do not, greedy rows and other seeds."""
     target_logits = random_logits(1, seed=5, vocab=64)[0]
-    target = dict(temperature=1.0, top_p=0.95, seed=1234)
+    target = dict(temperature=1.0, seed=1234, **truncation)
     (alone,) = Sampler()(target_logits.unsqueeze(0), [make_seq(9, num_samples=8, **target)])
 
     others = random_logits(3, seed=6, vocab=64)

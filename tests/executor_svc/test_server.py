@@ -329,3 +329,19 @@ def test_copy_and_swap_blocks_count(server: Server) -> None:
     with pytest.raises(StepRefused, match=r"blocks_to_swap_in\[0\].dst"):
         client.swap_blocks([], [(0, NUM_GPU_BLOCKS)])
     assert client.get_stats() == after
+
+
+def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None:
+    """EndSteps names the step to end: sent before it runs (as an arrival can be), that
+    step stops after its first decode step; another step id leaves it whole."""
+    client = server.client
+    epoch = server.next_epoch()
+    greedy = SamplingParams(temperature=0.0)
+    whole = client.execute(_step(0, epoch, num_samples=1, num_steps=8, sampling_params=greedy))
+    client.end_steps(5).result()
+    assert (
+        len(client.execute(_step(1, epoch, num_samples=1, num_steps=8)).outputs[0].token_ids) == 8
+    )
+    client.end_steps(2).result()
+    cut = client.execute(_step(2, epoch, num_samples=1, num_steps=8, sampling_params=greedy))
+    assert cut.outputs[0].token_ids == whole.outputs[0].token_ids[:1]

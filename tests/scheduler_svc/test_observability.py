@@ -4,9 +4,11 @@ metrics port, and the block map as headless Chromium draws it while requests run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -98,6 +100,21 @@ def dump_dom(url: str, profile: Path) -> str:
     return done.stdout
 
 
+def map_state(url: str) -> dict:
+    """What the block map draws (asking for it also keeps the map's snapshots fresh)."""
+    return httpx.get(f"{url}/dashboard/state", headers=AUTH, timeout=10).json()
+
+
+def pid_with_arg(arg: str) -> int:
+    """The process whose command line holds ``arg``."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if arg in (entry / "cmdline").read_bytes().decode(errors="replace").split("\0"):
+                    return int(entry.name)
+    raise LookupError(f"no process with {arg}")
+
+
 def running(samples: Samples) -> float:
     return get(samples, "pagedserve_num_requests", state="running")
 
@@ -142,8 +159,17 @@ def load(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
             time.sleep(0.05)
             run.during.append(scrape(url, AUTH))
         if shutil.which("chromium"):
-            profile = tmp_path_factory.mktemp("chromium")
-            run.dom = dump_dom(f"{url}/dashboard#key={KEY}", profile)
+            # Once the map shows held blocks the executor is paused: the requests keep
+            # them while the page draws, however fast the load would otherwise end.
+            executor = pid_with_arg(f"--metrics-port={metrics_port}")
+            while not any(o >= 0 for ex in map_state(url)["executors"] for o in ex["gpu"]["owner"]):
+                assert any(t.is_alive() for t in threads), "the load ended before the map showed it"
+            os.kill(executor, signal.SIGSTOP)
+            try:
+                profile = tmp_path_factory.mktemp("chromium")
+                run.dom = dump_dom(f"{url}/dashboard#key={KEY}", profile)
+            finally:
+                os.kill(executor, signal.SIGCONT)
         while any(t.is_alive() for t in threads):
             run.during.append(scrape(url, AUTH))
             time.sleep(0.5)

@@ -148,6 +148,16 @@ class ExecuteResponse(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
     def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ...) -> None: ...
 
+class EndStepsRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
+
+class EndStepsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("blocks_to_copy",)
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class ExecutorStub:
                 request_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.EndSteps = channel.unary_unary(
+                '/pagedserve.rpc.v1.Executor/EndSteps',
+                request_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.EndStepsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.EndStepsResponse.FromString,
+                _registered_method=True)
         self.CopyBlocks = channel.unary_unary(
                 '/pagedserve.rpc.v1.Executor/CopyBlocks',
                 request_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.CopyBlocksRequest.SerializeToString,
@@ -76,6 +81,15 @@ class ExecutorServicer:
 
     def Execute(self, request, context):
         """Run one engine step: swap out, swap in, copy, then one forward pass and sampling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndSteps(self, request, context):
+        """Ask a step that decodes several tokens in a row (num_steps > 1) to stop after the
+        decode step it is running: a request has arrived and should not wait for the rest.
+        The step answers the tokens it drew; a step already answered is not affected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +128,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.ExecuteRequest.FromString,
                     response_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'EndSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSteps,
+                    request_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.EndStepsRequest.FromString,
+                    response_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.EndStepsResponse.SerializeToString,
             ),
             'CopyBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.CopyBlocks,
@@ -186,6 +205,33 @@ class Executor:
             '/pagedserve.rpc.v1.Executor/Execute',
             pagedserve_dot_rpc_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
             pagedserve_dot_rpc_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.rpc.v1.Executor/EndSteps',
+            pagedserve_dot_rpc_dot_v1_dot_executor__pb2.EndStepsRequest.SerializeToString,
+            pagedserve_dot_rpc_dot_v1_dot_executor__pb2.EndStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

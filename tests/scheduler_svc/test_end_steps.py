@@ -1,0 +1,68 @@
+"""A request arriving while the executor decodes many steps in a row ends that call after
+its current step (EndSteps), on real processes: `pagedserve serve` with the tiny chat model,
+256 decode steps a call and no quiet period. Outputs stay what they are alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cluster import metric, used_blocks
+from tests.services import free_port, serve
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+SHORT = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir: Path):
+    metrics_port = free_port()
+    flags = ["--num-decode-steps", "256", "--decode-steps-quiet", "0"]
+    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", str(metrics_port)) as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        yield url, model, f"http://127.0.0.1:{metrics_port}"
+
+
+def stream_text(url: str, body: dict, started: threading.Event) -> str:
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+                started.set()
+    return "".join(text)
+
+
+def complete(url: str, body: dict) -> str:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_arrivals_end_calls_early_and_change_no_output(server):
+    url, model, executor_metrics = server
+    long_body = LONG | {"model": model}
+    short_bodies = [SHORT | {"model": model, "prompt": f"Question {i}:"} for i in range(4)]
+    alone = [complete(url, body) for body in [long_body, *short_bodies]]
+    before = metric(executor_metrics, "executor_steps_ended_early_total")
+    started, result = threading.Event(), {}
+    streamer = threading.Thread(
+        target=lambda: result.update(text=stream_text(url, long_body, started))
+    )
+    streamer.start()
+    try:
+        assert started.wait(60)
+        answers = []
+        for body in short_bodies:  # each arrives while the long stream's calls run
+            time.sleep(0.2)
+            answers.append(complete(url, body))
+    finally:
+        streamer.join(timeout=300)
+    assert metric(executor_metrics, "executor_steps_ended_early_total") > before
+    assert [result["text"], *answers] == alone
+    assert used_blocks(url) == 0
