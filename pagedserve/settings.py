@@ -53,9 +53,10 @@ class CacheConfig:
 # A server's decode_steps_quiet_s: requests arriving every second or two (light online
 # traffic) keep each call to one step.
 SERVING_DECODE_STEPS_QUIET_S = 2.0
-# Tokens of one step with chunked prefill: a step holding a full chunk takes about as
-# long as 512 prompt tokens, which bounds how long an arriving prompt stalls the streams.
-CHUNKED_PREFILL_BUDGET = 512
+# Tokens of one step with chunked prefill (vLLM's default for its CPU server). A larger
+# budget prefills arriving prompts sooner and in bigger, cheaper batches; a smaller one
+# bounds how long a long prompt stalls the streams (bench/RESULTS.md, 2026-12-03).
+CHUNKED_PREFILL_BUDGET = 2048
 
 
 @dataclass(frozen=True)

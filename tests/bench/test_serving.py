@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import vllm_client
 from bench.common import percentile, poisson_arrivals
 from bench.serving import RequestRecord, summarize
 
@@ -57,3 +58,26 @@ def test_serving_sweep_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
         assert r["tpot_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
         assert 0 < r["normalized_latency_s_per_token"] < r["e2e_s"]["p99"]
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_vllm_client_result_summary() -> None:
+    result = {"duration": 61.2, "completed": 80, "failed": 0, "output_throughput": 167.281}
+    result |= {"mean_ttft_ms": 810.78, "p99_ttft_ms": 2136.2, "mean_tpot_ms": 307.561}
+    result |= {"p99_tpot_ms": 338.67, "p50_itl_ms": 300.28, "p99_itl_ms": 910.78}
+    s = vllm_client.summarize(result)
+    assert (s["completed"], s["failed"], s["output_tokens_per_s"]) == (80, 0, 167.28)
+    assert s["ttft_ms"] == {"mean": 810.78, "p99": 2136.2}
+    assert s["tpot_ms"] == {"mean": 307.56, "p99": 338.67}
+    flags = vllm_client.client_args("http://h:1", "m", Path("/t"), 2.0, 80, (256, 128))
+    assert flags[flags.index("--request-rate") + 1] == "2"
+    assert "--ignore-eos" in flags and flags[flags.index("--random-input-len") + 1] == "256"
+
+
+def test_vllm_client_without_its_venv_skips_every_system(tmp_path: Path) -> None:
+    out = tmp_path / "serving_vllm_client.json"
+    cmd = [sys.executable, str(ROOT / "bench/serving.py"), "--client=vllm", f"--json={out}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    systems = json.loads(out.read_text())["systems"]
+    assert all("--vllm-python" in s["skipped"] for s in systems.values())
+    assert "TPOT p99 ms" in done.stdout and out.with_suffix(".png").exists()

