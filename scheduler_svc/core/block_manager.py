@@ -108,7 +108,7 @@ class BlockManager:
         Returns:
             The number of tokens whose K/V was found in the cache.
         """
-        tables: dict[tuple[int, ...], tuple[list[BlockId], int, int]] = {}
+        tables: dict[tuple[int, ...], tuple[list[BlockId], int, int, list[BlockHash]]] = {}
         num_cached = 0
         for seq in group.get_seqs(SequenceStatus.WAITING):
             token_ids = seq.get_token_ids()
@@ -119,17 +119,17 @@ class BlockManager:
             else:
                 tables[key] = self._allocate_table(token_ids, max_new_tokens)
                 num_cached += tables[key][1]
-            table, seq.num_computed_tokens, num_slots = tables[key]
+            table, seq.num_computed_tokens, num_slots, hashes = tables[key]
             self.block_tables[seq.seq_id] = list(table)
             self._num_slots[seq.seq_id] = num_slots
-            self._hashes[seq.seq_id] = self._chain_hashes(token_ids[:num_slots])
+            self._hashes[seq.seq_id] = list(hashes)
         return num_cached
 
     def _allocate_table(
         self, token_ids: list[int], max_new_tokens: int | None
-    ) -> tuple[list[BlockId], int, int]:
-        """A new table for these tokens, how many leading tokens it found computed, and
-        how many slots it maps."""
+    ) -> tuple[list[BlockId], int, int, list[BlockHash]]:
+        """A new table for these tokens, how many leading tokens it found computed, how
+        many slots it maps, and the hashes of the full blocks among them."""
         hits = self._reusable_prefix(token_ids)
         for block_id in hits:
             self.gpu.incref(block_id)
@@ -141,12 +141,13 @@ class BlockManager:
         for _ in range(self.blocks_for(num_slots) - len(hits)):
             table.append(self.gpu.allocate(after=table[-1] if table else None))
         # Only blocks this step fills are published: a later chunk's are not computed yet.
-        for index, block_hash in enumerate(self._chain_hashes(token_ids[:num_slots])):
+        hashes = self._chain_hashes(token_ids[:num_slots])
+        for index, block_hash in enumerate(hashes):
             self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
         if self.enable_prefix_caching:
             self.counters.prefix_cache_queries += len(token_ids)
             self.counters.prefix_cache_hits += num_hit_tokens
-        return table, num_hit_tokens, num_slots
+        return table, num_hit_tokens, num_slots, hashes
 
     def chunk_room(self, seq: Sequence) -> int:
         """Slots ``map_chunk`` can still add: the mapped tail block's and free blocks'."""

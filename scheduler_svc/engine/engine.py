@@ -273,9 +273,10 @@ class LLMEngine:
                     self._detokenize(outcome, stops)
             if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
                 self._detokenize(outcome, outcome.groups)
-            for group in outcome.groups:  # a run ended early leaves slots it did not use
-                for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    self.scheduler.block_manager.unmap_ahead(seq)
+            if any(s.num_steps > 1 for s in step.seqs):  # ended early: slots it did not use
+                for group in outcome.groups:
+                    for seq in group.get_seqs(SequenceStatus.RUNNING):
+                        self.scheduler.block_manager.unmap_ahead(seq)
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
         for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:

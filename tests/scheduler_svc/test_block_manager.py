@@ -131,6 +131,26 @@ def test_prefix_cache_never_reuses_the_block_of_the_last_token():
     assert bm.get_block_table(again.seqs[0]) == [0, 2]
 
 
+def test_a_prompt_in_chunks_publishes_only_the_blocks_its_chunks_compute():
+    """A later prompt with the same tokens reuses the first chunk's blocks, never blocks
+    mapped for chunks no step has computed yet; each chunk then publishes its own."""
+    bm = BlockManager(4, 16, 0, watermark=0, enable_prefix_caching=True)
+    prompt = list(range(100, 120))  # five blocks of 4
+    first = make_group("a", prompt, seq_id=0)
+    assert bm.allocate(first, max_new_tokens=8) == 0
+    first.seqs[0].status = SequenceStatus.RUNNING
+    assert bm.num_slots(first.seqs[0]) == 8 and len(bm.get_block_table(first.seqs[0])) == 2
+    bm.check_integrity()
+    early = make_group("b", prompt, seq_id=1)
+    assert bm.allocate(early, max_new_tokens=4) == 8  # the first chunk's two blocks only
+    first.seqs[0].num_computed_tokens = 8
+    bm.map_chunk(first.seqs[0], 8)
+    late = make_group("c", prompt, seq_id=2)
+    assert admit(bm, late) == 16  # two chunks computed: four blocks
+    with pytest.raises(ValueError, match="chunk past"):
+        bm.map_chunk(first.seqs[0], 5)
+
+
 def test_freed_cached_blocks_are_reused_then_evicted_least_recent_first():
     bm = BlockManager(4, 4, 0, watermark=0, enable_prefix_caching=True)
     a = make_group("a", [1, 2, 3, 4, 5], seq_id=0)
