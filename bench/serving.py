@@ -29,6 +29,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,7 @@ from bench.common import (
     write_json,
 )
 from bench.launch import NO_VLLM, pagedserve_server, vllm_server
-from bench.vllm_client import client_args, run_client
+from bench.vllm_client import client_args, random_dataset, run_client, sharegpt_dataset
 
 SYSTEMS = ("pagedserve", "vllm")
 
@@ -206,15 +207,26 @@ async def sweep(url: str, trace: Trace, args: argparse.Namespace, name: str) -> 
 
 def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
     """vLLM's client at every rate, in increasing order, with the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
     from pagedserve.model_files import resolve_model
 
     model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
     tokenizer = resolve_model(args.model)
-    lengths = (args.input_len, args.output_len)
     rates = {}
-    with progress(len(args.rates), f"{name}: vLLM's client", unit="rate") as bar:
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-client-data-") as data,
+        progress(len(args.rates), f"{name}: vLLM's client", unit="rate") as bar,
+    ):
+        if args.client_dataset == "sharegpt":
+            # Room for a prompt that tokenizes a little longer as text than as ids.
+            trace = load_trace("sharegpt", args.num_requests, args.max_model_len - 32, args.seed)
+            hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            dataset = sharegpt_dataset(trace, hf_tokenizer, Path(data) / "sharegpt.json")
+        else:
+            dataset = random_dataset(args.input_len, args.output_len)
         for rate in sorted(args.rates):
-            flags = client_args(url, model, tokenizer, rate, args.num_requests, lengths)
+            flags = client_args(url, model, tokenizer, rate, args.num_requests, dataset)
             timeout = args.duration + args.drain + args.num_requests / rate
             rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout)
             bar.update(1)
@@ -338,6 +350,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--client", default="ours", choices=("ours", "vllm"), help="whose benchmark client"
     )
+    p.add_argument(
+        "--client-dataset",
+        default="random",
+        choices=("random", "sharegpt"),
+        help="--client vllm: random prompts of --input-len/--output-len, or the sharegpt "
+        "preset's lengths (as a ShareGPT-format file)",
+    )
     p.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="--client vllm: output tokens")
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
@@ -367,16 +386,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_vllm_client(args: argparse.Namespace) -> int:
     systems = {name: run_system(name, None, args) for name in SYSTEMS}
+    if args.client_dataset == "sharegpt":
+        requests = "requests of the sharegpt preset's lengths (a ShareGPT-format file)"
+    else:
+        requests = f"random requests ({args.input_len} tokens in, {args.output_len} out)"
     print(
-        f"vLLM's benchmark client: {args.num_requests} random requests per rate "
-        f"({args.input_len} tokens in, {args.output_len} out, EOS ignored), streaming, "
-        f"model {args.model}, fp32"
+        f"vLLM's benchmark client: {args.num_requests} {requests} per rate, EOS ignored, "
+        f"streaming, model {args.model}, fp32"
     )
     print_client_results(systems)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, config, {"systems": systems})
-        title = f"vLLM's client, random {args.input_len} in / {args.output_len} out"
+        title = f"vLLM's client, {requests.split(' (')[0]}"
         plot_client(systems, args.json.with_suffix(".png"), title)
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 1 if any(s.get("failed") for s in systems.values()) else 0

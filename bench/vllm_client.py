@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import tempfile
+from itertools import cycle, islice
 from pathlib import Path
 from typing import Any
+
+from bench.common import Trace
 
 CLIENT_SCRIPT = """
 import sys
@@ -25,20 +28,58 @@ main(parser.parse_args(sys.argv[1:]))
 
 
 def client_args(
-    url: str, model: str, tokenizer: Path, rate: float, num_requests: int, lengths: tuple[int, int]
+    url: str, model: str, tokenizer: Path, rate: float, num_requests: int, dataset: list[str]
 ) -> list[str]:
-    """The flags of one run: random prompts of ``lengths`` (input, output) tokens, EOS
-    ignored, streaming, Poisson arrivals at ``rate``, as in vLLM's own serving benchmarks."""
-    input_len, output_len = lengths
+    """The flags of one run: ``dataset``'s requests (``random_dataset`` or
+    ``sharegpt_dataset``), EOS ignored, streaming, Poisson arrivals at ``rate``, as in vLLM's
+    own serving benchmarks."""
     return [
         *("--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url),
-        *("--model", model, "--tokenizer", str(tokenizer)),
-        *("--dataset-name", "random", "--random-input-len", str(input_len)),
-        *("--random-output-len", str(output_len), "--ignore-eos"),
+        *("--model", model, "--tokenizer", str(tokenizer), *dataset, "--ignore-eos"),
         *("--request-rate", f"{rate:g}", "--num-prompts", str(num_requests), "--seed", "0"),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
         "--disable-tqdm",
     ]
+
+
+def random_dataset(input_len: int, output_len: int) -> list[str]:
+    """vLLM's random prompts: ``input_len`` tokens in, ``output_len`` out."""
+    return ["--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len)]  # fmt: skip
+
+
+def text_of(tokenizer: Any, token_ids: list[int]) -> str:
+    """Text that tokenizes to at most as many tokens as ``token_ids`` (random ids decoded can
+    come back as more tokens: cut those and decode again, until they fit)."""
+    text = tokenizer.decode(token_ids)
+    for _ in range(8):
+        again = tokenizer(text, add_special_tokens=False).input_ids
+        if len(again) <= len(token_ids):
+            break
+        text = tokenizer.decode(again[: len(token_ids)])
+    return text
+
+
+def sharegpt_dataset(trace: Trace, tokenizer: Any, path: Path) -> list[str]:
+    """The trace's lengths as a file in ShareGPT's format, which vLLM's client reads: each
+    request a human turn (the prompt's tokens as text) and a reply whose text tokenizes to
+    about the output length, which the client asks for with EOS ignored; neither tokenizes
+    longer than the trace's, so every request fits the model's length."""
+    conversations = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "human", "value": text_of(tokenizer, prompt)},
+                {
+                    "from": "gpt",
+                    "value": text_of(tokenizer, list(islice(cycle(prompt), output_len))),
+                },
+            ],
+        }
+        for i, (prompt, output_len) in enumerate(zip(trace.prompts, trace.output_lens, strict=True))
+    ]
+    path.write_text(json.dumps(conversations))
+    return ["--dataset-name", "sharegpt", "--dataset-path", str(path)]
 
 
 def run_client(python: str, args: list[str], timeout: float) -> dict[str, Any]:

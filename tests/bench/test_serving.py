@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import vllm_client
-from bench.common import percentile, poisson_arrivals
+from bench.common import load_trace, percentile, poisson_arrivals
 from bench.serving import RequestRecord, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,9 +68,31 @@ def test_vllm_client_result_summary() -> None:
     assert (s["completed"], s["failed"], s["output_tokens_per_s"]) == (80, 0, 167.28)
     assert s["ttft_ms"] == {"mean": 810.78, "p99": 2136.2}
     assert s["tpot_ms"] == {"mean": 307.56, "p99": 338.67}
-    flags = vllm_client.client_args("http://h:1", "m", Path("/t"), 2.0, 80, (256, 128))
+    dataset = vllm_client.random_dataset(256, 128)
+    flags = vllm_client.client_args("http://h:1", "m", Path("/t"), 2.0, 80, dataset)
     assert flags[flags.index("--request-rate") + 1] == "2"
     assert "--ignore-eos" in flags and flags[flags.index("--random-input-len") + 1] == "256"
+
+
+def test_vllm_client_sharegpt_file_keeps_the_trace_lengths(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from pagedserve.model_files import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("SmolLM2-135M-Instruct"))
+    trace = load_trace("sharegpt", 12, 992, 0)
+    flags = vllm_client.sharegpt_dataset(trace, tokenizer, tmp_path / "sharegpt.json")
+    assert flags[flags.index("--dataset-name") + 1] == "sharegpt"
+    entries = json.loads(Path(flags[flags.index("--dataset-path") + 1]).read_text())
+    assert len(entries) == trace.num_requests
+    for entry, prompt_len, output_len in zip(
+        entries, trace.prompt_lens, trace.output_lens, strict=True
+    ):
+        human, gpt = (turn["value"] for turn in entry["conversations"])
+        # Text tokenizes back to at most, and about, as many tokens as the trace's ids.
+        for text, length in ((human, prompt_len), (gpt, output_len)):
+            tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
+            assert length - max(4, length // 10) <= tokens <= length
 
 
 def test_vllm_client_without_its_venv_skips_every_system(tmp_path: Path) -> None:
