@@ -6,7 +6,8 @@
                 real engine, scheduler and block manager; by default a simulated executor,
                 --executor model runs SmolLM2 instead)
     prefix      a shared system prompt (chat-prefix preset): throughput and prefill tokens
-                computed with prefix caching off and on (real model, in-process engine)
+                computed with prefix caching off and on (real model, in-process engine); and
+                what caching costs on traces that share nothing (--cost-preset)
     block-size  KV utilization (simulated steps, real block manager) and throughput (real
                 model) by block size, and the latency of preempting one sequence by swap
                 out + in against recompute (real executor: cache engine and forward pass)
@@ -157,6 +158,37 @@ def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "prefill_tokens_saved": 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"],
         "speedup": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+        "cost": run_prefix_cost(args),
+    }
+
+
+def run_prefix_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """What caching costs where nothing is shared: --cost-preset traces, caching off and on
+    loaded side by side and timed in the order off on, on off (a new trace each round, so
+    no round hits what the last one cached); throughput summed over the rounds."""
+    llms = {"off": _model_llm(args), "on": _model_llm(args, enable_prefix_caching=True)}
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    try:
+        for r in range(args.cost_rounds):
+            trace = load_trace(
+                args.cost_preset, args.cost_requests, args.max_model_len, args.seed + r
+            )
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                runs[name].append(time_offline(llms[name], trace).summary())
+    finally:
+        for llm in llms.values():
+            close_llm(llm)
+
+    def total(name: str, key: str) -> float:
+        return sum(run[key] for run in runs[name])
+
+    tok_s = {n: total(n, "output_tokens") / total(n, "wall_s") for n in runs}
+    return {
+        "preset": args.cost_preset,
+        "runs": runs,
+        "output_tokens_per_s": tok_s,
+        "cache_hit_tokens": total("on", "prefix_cache_hit_tokens"),
+        "cost": 1 - tok_s["on"] / tok_s["off"],
     }
 
 
@@ -176,6 +208,13 @@ def print_prefix(result: dict[str, Any]) -> None:
     print(
         f"prefill tokens saved {result['prefill_tokens_saved']:.1%}, "
         f"throughput x{result['speedup']:.2f}"
+    )
+    cost = result["cost"]
+    print(
+        f"no shared prefix ({cost['preset']}, {len(cost['runs']['on'])} rounds): "
+        f"{cost['output_tokens_per_s']['off']:.1f} out tok/s off, "
+        f"{cost['output_tokens_per_s']['on']:.1f} on, cost {cost['cost']:+.1%} "
+        f"({cost['cache_hit_tokens']:.0f} tokens hit)"
     )
 
 
@@ -288,6 +327,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--executor", choices=["sim", "model"], default="sim", help="parallel part")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--shared-prefix-len", type=int, default=512)
+    p.add_argument("--cost-preset", default="sharegpt", help="prefix: trace of the cost runs")
+    p.add_argument("--cost-requests", type=int, default=32, help="prefix: requests a cost run")
+    p.add_argument("--cost-rounds", type=int, default=2, help="prefix: cost rounds (off+on each)")
     p.add_argument("--block-sizes", type=ints, default=[8, 16, 32, 64, 128])
     p.add_argument("--sweep-presets", type=words, default=["alpaca", "sharegpt"])
     p.add_argument("--sweep-requests", type=int, default=32, help="throughput by block size")

@@ -38,7 +38,7 @@ class CacheConfig:
         default=0.01, metadata=_help("fraction of the KV pool kept free at admission")
     )
     enable_prefix_caching: bool = field(
-        default=False, metadata=_help("reuse computed blocks of identical prompt prefixes")
+        default=True, metadata=_help("reuse computed blocks of identical prompt prefixes")
     )
 
     def __post_init__(self) -> None:
@@ -132,7 +132,7 @@ class EngineOptions:
         metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
     )
     enable_prefix_caching: bool = field(
-        default=False, metadata=_help("reuse computed blocks of identical prompt prefixes")
+        default=True, metadata=_help("reuse computed blocks of identical prompt prefixes")
     )
 
     def configs(self, info: ModelInfo) -> tuple[CacheConfig, SchedulerConfig]:

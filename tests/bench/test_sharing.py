@@ -44,6 +44,7 @@ def test_prefix_caching_computes_fewer_prefill_tokens(
 ) -> None:
     flags = ["--parts=prefix", f"--model={tiny_chat_model_dir}", "--prefix-requests=3"]
     flags += ["--shared-prefix-len=64", "--max-model-len=160", "--num-gpu-blocks=128"]
+    flags += ["--cost-preset=alpaca", "--cost-requests=3", "--cost-rounds=2"]
     result = run_sharing(tmp_path, *flags)
     runs = result["prefix"]["runs"]
     trace = load_trace("chat-prefix", 3, 160, 0, shared_prefix_len=64)
@@ -55,6 +56,14 @@ def test_prefix_caching_computes_fewer_prefill_tokens(
     assert on["output_tokens"] == off["output_tokens"] == sum(trace.output_lens)
     assert result["prefix"]["prefill_tokens_saved"] > 0.2
     assert (tmp_path / "sharing_prefix.png").stat().st_size > 10_000
+    cost = result["prefix"]["cost"]  # traces sharing nothing: caching on finds no hit
+    assert cost["cache_hit_tokens"] == 0
+    for name in ("off", "on"):
+        assert [r["output_tokens"] for r in cost["runs"][name]] == [
+            sum(load_trace("alpaca", 3, 160, r).output_lens) for r in range(2)
+        ]
+    tok_s = cost["output_tokens_per_s"]
+    assert cost["cost"] == 1 - tok_s["on"] / tok_s["off"]
 
 
 def test_block_size_sweep_and_preemption_cost(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
