@@ -29,7 +29,7 @@ def cuda_extension() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     return load(
-        name="pagedserve_kernels",
+        name=_build_name("pagedserve_kernels"),
         sources=[str(CSRC / name) for name in SOURCES],
         extra_cflags=[_headers_flag()],
         extra_cuda_cflags=["-O3", _headers_flag()],
@@ -47,10 +47,17 @@ def cpu_extension() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     return load(
-        name="pagedserve_cpu_kernels",
+        name=_build_name("pagedserve_cpu_kernels"),
         sources=[str(CSRC / "cpu" / name) for name in CPU_SOURCES],
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", _headers_flag()],
     )
+
+
+def _build_name(name: str) -> str:
+    """The extension's name for this checkout: torch keeps one build per name, so two
+    checkouts with different sources sharing a name would rebuild over each other, each
+    process waiting on the other's compile."""
+    return f"{name}_{hashlib.sha256(str(CSRC).encode()).hexdigest()[:8]}"
 
 
 @functools.cache
