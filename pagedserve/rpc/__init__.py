@@ -10,6 +10,7 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # minutes (a long prompt's prefill) while a peer that is gone shows within two pings. The
 # servers accept a client's ping this often, with or without a call open.
 KEEPALIVE_MS = 10_000
+RECONNECT_MS = 2_000
 
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -20,4 +21,9 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS // 2),
+    # A peer that went away is dialled again at most RECONNECT_MS apart: gRPC's own backoff
+    # grows to 120 s, so an executor restarted after a minute went unnoticed for another.
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS // 4),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_MS // 4),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MS),
 ]
