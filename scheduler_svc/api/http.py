@@ -20,13 +20,16 @@ from scheduler_svc.api.admission import (
     authorized,
     check_executor,
     check_fits,
+    check_model,
     owner_of,
-    tokenize_prompt,
+    tokenize_prompts,
 )
+from scheduler_svc.api.batch import merge, prompt_request_ids
 from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
 from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
 from scheduler_svc.api.render import Choice, Renderer
+from scheduler_svc.api.tokens import add_token_routes
 from scheduler_svc.api.wire import decode_body, read_body
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.state.streams import RequestDelta
@@ -59,27 +62,30 @@ class Api:
         check_executor(self.engine, self.config)
         body = decode_body(await read_body(request, self.config.max_body_bytes))
         parsed = parse_completion(body, self.config, chat, request.headers.get("x-request-timeout"))
-        if parsed.model != self.card.name:
-            raise APIError(
-                404,
-                f"model '{parsed.model}' does not exist; this server serves '{self.card.name}'",
-                param="model",
-                code="model_not_found",
-            )
-        prompt_ids = tokenize_prompt(self.tokenizer, self.card.vocab_size, parsed)
-        check_fits(self.engine, len(prompt_ids), parsed.params)
+        check_model(self.card.name, parsed.model)
+        prompts = tokenize_prompts(self.tokenizer, self.card.vocab_size, parsed)
+        for ids in prompts:
+            check_fits(self.engine, len(ids), parsed.params)
         request_id = _request_id(request, parsed, chat)
         request.state.request_id = request_id
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
+        resumable = _resumable(request, resume, len(prompts))
         after = resume[0] - 1 if resume else None  # the named event may have more outputs
-        deltas = self.engine.generate(request_id, prompt_ids, parsed.params, after, self.owner)
-        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, len(prompt_ids), chat)
+        ids = prompt_request_ids(request_id, len(prompts))
+        streams = [
+            self.engine.generate(i, p, parsed.params, after, self.owner)
+            for i, p in zip(ids, prompts, strict=True)
+        ]
+        deltas = merge(streams, parsed.params.n)
+        prompt_len = sum(map(len, prompts))
+        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompt_len, chat)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             first = await _first_unless_disconnected(request, deltas)
-            stream = render.sse(first, deltas, resume, _resumable(request, resume))
+            stream = render.sse(first, deltas, resume, resumable)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
+        num_choices = len(prompts) * parsed.params.n
+        choices = await _collect_unless_disconnected(request, deltas, num_choices)
         return JSONResponse(render.final(choices), headers=headers)
 
 
@@ -89,12 +95,20 @@ def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
     return header or parsed.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def _resumable(request: Request, resume: tuple[int, int] | None) -> bool:
+def _resumable(request: Request, resume: tuple[int, int] | None, num_prompts: int) -> bool:
     """Whether the stream's events carry ids for Last-Event-ID: asked for with
     ``X-Resumable-Stream: true``, or a resume itself. By default a stream is what OpenAI
-    sends, ``data:`` lines only, which every client's parser reads."""
+    sends, ``data:`` lines only, which every client's parser reads. An id counts the
+    events of one engine request, so a prompt list cannot be resumed."""
     asked = request.headers.get("x-resumable-stream", "").strip().lower()
-    return resume is not None or asked in ("1", "true", "yes")
+    resumable = resume is not None or asked in ("1", "true", "yes")
+    if resumable and num_prompts > 1:
+        raise APIError(
+            400,
+            "a resumable stream (X-Resumable-Stream, Last-Event-ID) takes one prompt",
+            param="prompt",
+        )
+    return resumable
 
 
 _LAST_EVENT = re.compile(r"([0-9]{1,10})\.([0-9]{1,10})")
@@ -258,6 +272,7 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
         text = metrics() if metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    add_token_routes(app, api)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
     return app

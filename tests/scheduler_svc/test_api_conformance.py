@@ -25,15 +25,18 @@ def post(server: SimpleNamespace, path: str, body: dict) -> dict:
 
 
 def stream(server: SimpleNamespace, path: str, body: dict) -> list[dict[str, Any]]:
-    """The chunks of a streamed request, which must be ``data:`` lines ended by [DONE]."""
-    with server.client.stream("POST", path, json=body | {"stream": True}, headers=AUTH) as r:
+    """The chunks of a streamed request, which must be ``data:`` lines ended by [DONE]; the
+    last one the usage chunk."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with server.client.stream("POST", path, json=body, headers=AUTH) as r:
         assert r.status_code == 200, r.read()
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
-    return [json.loads(line[6:]) for line in lines[:-1]]
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    return chunks
 
 
-USAGE = {"stream_options": {"include_usage": True}}
 COMPLETIONS = {
     "plain": {"prompt": "The harbour", "max_tokens": 5},
     "n, logprobs, stop": {
@@ -44,7 +47,7 @@ COMPLETIONS = {
         "stop": [".", "\n"],
         "seed": 3,
     },
-    "token ids, greedy, usage": {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0} | USAGE,
+    "token ids, greedy": {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
 }
 CHATS = {
     "plain": {"max_tokens": 5},
@@ -55,7 +58,7 @@ CHATS = {
         "top_logprobs": 2,
         "stop": ".",
     },
-    "greedy, usage": {"max_completion_tokens": 4, "temperature": 0} | USAGE,
+    "greedy": {"max_completion_tokens": 4, "temperature": 0},
 }
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -64,24 +67,26 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def test_completions_conform_whole_and_streamed(guarded_server: SimpleNamespace, body: dict):
     server = guarded_server
     body = body | {"model": server.model}
-    assert_conforms("CreateCompletionResponse", post(server, "/v1/completions", body))
+    whole = post(server, "/v1/completions", body)
+    assert_conforms("CreateCompletionResponse", whole)
     chunks = stream(server, "/v1/completions", body)
     for chunk in chunks:
         assert_conforms("CompletionStreamChunk", chunk)
-    if "stream_options" in body:
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    if body.get("temperature") == 0:
+        assert chunks[-1]["usage"] == whole["usage"]
 
 
 @pytest.mark.parametrize("body", CHATS.values(), ids=CHATS.keys())
 def test_chat_completions_conform_whole_and_streamed(guarded_server: SimpleNamespace, body):
     server = guarded_server
     body = body | {"model": server.model, "messages": MESSAGES}
-    assert_conforms("CreateChatCompletionResponse", post(server, "/v1/chat/completions", body))
+    whole = post(server, "/v1/chat/completions", body)
+    assert_conforms("CreateChatCompletionResponse", whole)
     chunks = stream(server, "/v1/chat/completions", body)
     for chunk in chunks:
         assert_conforms("CreateChatCompletionStreamResponse", chunk)
-    if "stream_options" in body:
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    if body.get("temperature") == 0:
+        assert chunks[-1]["usage"] == whole["usage"]
 
 
 def test_models_conform(guarded_server: SimpleNamespace) -> None:
