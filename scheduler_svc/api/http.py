@@ -28,7 +28,8 @@ from scheduler_svc.api.batch import merge, prompt_request_ids
 from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
 from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
-from scheduler_svc.api.render import Choice, Renderer
+from scheduler_svc.api.render import VERSION, Choice, Renderer
+from scheduler_svc.api.schema import describe
 from scheduler_svc.api.tokens import add_token_routes
 from scheduler_svc.api.wire import decode_body, read_body
 from scheduler_svc.engine.async_engine import AsyncEngine
@@ -187,7 +188,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
-OPEN_PATHS = ("/health", "/dashboard")  # no API key: no request data behind them
+# No API key: no request data behind them (/docs reads /openapi.json from the browser).
+OPEN_PATHS = ("/health", "/dashboard", "/docs", "/openapi.json")
 
 
 class ApiKeyCheck:
@@ -223,7 +225,8 @@ def _error_response(e: APIError) -> JSONResponse:
 def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None = None) -> FastAPI:
     """The FastAPI application; ``metrics`` renders /metrics (Prometheus text),
     ``dashboard`` serves the block map at /dashboard."""
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pagedserve", version=VERSION, docs_url="/docs", redoc_url=None)
+    describe(app)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
