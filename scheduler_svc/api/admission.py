@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
@@ -12,6 +13,15 @@ from scheduler_svc.api.errors import APIError
 from scheduler_svc.api.protocol import ParsedRequest, Prompt
 from scheduler_svc.core.scheduler import RequestRejectedError
 from scheduler_svc.engine.async_engine import AsyncEngine
+
+
+@dataclass(slots=True)
+class ModelCard:
+    """The model served, as the front doors describe it."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
 
 
 def authorized(sent: bytes, key: str) -> bool:

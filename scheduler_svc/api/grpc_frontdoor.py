@@ -15,10 +15,15 @@ from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1 import frontdoor_pb2_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
-from scheduler_svc.api.admission import check_executor, check_fits, owner_of, tokenize_prompts
+from scheduler_svc.api.admission import (
+    ModelCard,
+    check_executor,
+    check_fits,
+    owner_of,
+    tokenize_prompts,
+)
 from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.grpc_gate import Gate
-from scheduler_svc.api.http import ModelCard
 from scheduler_svc.api.protocol import parse_completion
 from scheduler_svc.api.wire import finite_logprob
 from scheduler_svc.engine.async_engine import AsyncEngine

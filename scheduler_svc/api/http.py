@@ -7,7 +7,6 @@ import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -17,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.admission import (
+    ModelCard,
     authorized,
     check_executor,
     check_fits,
@@ -36,13 +36,6 @@ from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.state.streams import RequestDelta
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class ModelCard:
-    name: str
-    vocab_size: int
-    max_model_len: int
 
 
 class Api:
@@ -71,13 +64,7 @@ class Api:
         request.state.request_id = request_id
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
         resumable = _resumable(request, resume, len(prompts))
-        after = resume[0] - 1 if resume else None  # the named event may have more outputs
-        ids = prompt_request_ids(request_id, len(prompts))
-        streams = [
-            self.engine.generate(i, p, parsed.params, after, self.owner)
-            for i, p in zip(ids, prompts, strict=True)
-        ]
-        deltas = merge(streams, parsed.params.n)
+        deltas = self._generate(request_id, prompts, parsed.params, resume)
         prompt_len = sum(map(len, prompts))
         render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompt_len, chat)
         headers = {"X-Request-Id": request_id}
@@ -88,6 +75,22 @@ class Api:
         num_choices = len(prompts) * parsed.params.n
         choices = await _collect_unless_disconnected(request, deltas, num_choices)
         return JSONResponse(render.final(choices), headers=headers)
+
+    def _generate(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        resume: tuple[int, int] | None,
+    ) -> AsyncIterator[RequestDelta]:
+        """The engine's deltas of every prompt, as one stream (see batch.merge)."""
+        after = resume[0] - 1 if resume else None  # the named event may have more outputs
+        ids = prompt_request_ids(request_id, len(prompts))
+        streams = [
+            self.engine.generate(i, p, params, after, self.owner)
+            for i, p in zip(ids, prompts, strict=True)
+        ]
+        return merge(streams, params.n)
 
 
 def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
@@ -275,7 +278,7 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
         text = metrics() if metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    add_token_routes(app, api)
+    add_token_routes(app, api.tokenizer, api.card, api.config.max_body_bytes)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
     return app

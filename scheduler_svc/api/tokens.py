@@ -3,26 +3,27 @@ clients written for vLLM (its benchmark client among them) ask for them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 
-from scheduler_svc.api.admission import chat_prompt_ids, check_model, check_vocabulary
+from scheduler_svc.api.admission import (
+    ModelCard,
+    chat_prompt_ids,
+    check_model,
+    check_vocabulary,
+)
 from scheduler_svc.api.protocol import parse_detokenize, parse_tokenize
 from scheduler_svc.api.render import VERSION
 from scheduler_svc.api.wire import decode_body, read_body
 
-if TYPE_CHECKING:
-    from scheduler_svc.api.http import Api
 
-
-def add_token_routes(app: FastAPI, api: Api) -> None:
+def add_token_routes(app: FastAPI, tokenizer: Any, card: ModelCard, max_body_bytes: int) -> None:
     """POST /tokenize (a prompt or chat messages to token ids), POST /detokenize (token ids
     to text) and GET /version; behind the API key like every route with data."""
-    tokenizer, card = api.tokenizer, api.card
 
     async def body(request: Request) -> dict[str, Any]:
-        return decode_body(await read_body(request, api.config.max_body_bytes))
+        return decode_body(await read_body(request, max_body_bytes))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
