@@ -89,6 +89,17 @@ def test_chat_completions_conform_whole_and_streamed(guarded_server: SimpleNames
         assert chunks[-1]["usage"] == whole["usage"]
 
 
+def test_beam_search_and_best_of_conform(guarded_server: SimpleNamespace) -> None:
+    server = guarded_server
+    base = {"model": server.model, "max_tokens": 4, "n": 2, "best_of": 3}
+    beams = base | {"use_beam_search": True}
+    assert_conforms(
+        "CreateCompletionResponse", post(server, "/v1/completions", beams | {"prompt": "A"})
+    )
+    chat = base | {"messages": MESSAGES, "logprobs": True}
+    assert_conforms("CreateChatCompletionResponse", post(server, "/v1/chat/completions", chat))
+
+
 def test_models_conform(guarded_server: SimpleNamespace) -> None:
     r = guarded_server.client.get("/v1/models", headers=AUTH)
     assert r.status_code == 200

@@ -60,6 +60,21 @@ def test_a_prompt_list_answers_each_prompt_n_times_in_openai_order(guarded_serve
     assert [texts[i] for i in range(4)] == expected and usage == batch["usage"]
 
 
+def test_a_prompt_list_retried_under_its_id_gets_the_stored_answer(guarded_server):
+    server = guarded_server
+    body = {"model": server.model, "prompt": PROMPTS, "max_tokens": 6, "n": 2, "temperature": 1}
+    headers = AUTH | {"X-Request-Id": f"batch-{time.time_ns()}"}
+    first = server.client.post("/v1/completions", json=body, headers=headers)
+    generated = gauge(server, "generation_tokens_total")
+    again = server.client.post("/v1/completions", json=body, headers=headers)
+    assert first.status_code == again.status_code == 200, again.text
+    assert first.headers["x-request-id"] == headers["X-Request-Id"] == first.json()["id"]
+    assert gauge(server, "generation_tokens_total") == generated  # nothing ran again
+    assert again.json()["choices"] == first.json()["choices"]
+    other = server.client.post("/v1/completions", json=body | {"n": 1}, headers=headers)
+    assert other.status_code == 409, other.text
+
+
 def test_token_id_prompts_in_every_form(guarded_server):
     server = guarded_server
     greedy = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
