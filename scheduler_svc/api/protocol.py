@@ -171,7 +171,7 @@ def _include_usage(data: dict, stream: bool) -> bool:
 
 
 @dataclass(slots=True)
-class TokenizeRequest:
+class ParsedTokenize:
     """A validated /tokenize body, as vLLM takes it: a prompt, or chat messages."""
 
     model: str | None
@@ -182,13 +182,13 @@ class TokenizeRequest:
     return_token_strs: bool
 
 
-def parse_tokenize(data: dict[str, Any]) -> TokenizeRequest:
+def parse_tokenize(data: dict[str, Any]) -> ParsedTokenize:
     """Validate a /tokenize body; vLLM's defaults: special tokens added to a prompt, not to
     a chat (its template has them), and the generation prompt after the messages."""
     chat = data.get("messages") is not None
     prompt = None if chat else _get(data, "prompt", (str,))
     _check(chat or prompt is not None, "'prompt' or 'messages' is required", "prompt")
-    return TokenizeRequest(
+    return ParsedTokenize(
         _get(data, "model", (str,)),
         prompt,
         _parse_messages(data) if chat else None,
