@@ -254,16 +254,22 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
             )
         return JSONResponse({"status": "engine stopped"}, status_code=503)
 
+    card = {
+        "id": api.card.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pagedserve",
+        "max_model_len": api.card.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": api.card.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pagedserve",
-            "max_model_len": api.card.max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # a model's name may be a path
+    async def model(model: str) -> dict[str, Any]:
+        check_model(api.card.name, model)
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

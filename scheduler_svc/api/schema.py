@@ -176,6 +176,7 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel]]] = 
     ("post", "/v1/completions"): (CompletionRequest, CompletionResponse),
     ("post", "/v1/chat/completions"): (ChatCompletionRequest, ChatCompletionResponse),
     ("get", "/v1/models"): (None, ModelList),
+    ("get", "/v1/models/{model}"): (None, ModelCardBody),
     ("post", "/tokenize"): (TokenizeRequest, TokenizeResponse),
     ("post", "/detokenize"): (DetokenizeRequest, DetokenizeResponse),
     ("get", "/version"): (None, VersionResponse),

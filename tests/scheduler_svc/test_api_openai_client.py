@@ -26,6 +26,12 @@ def test_models(client: OpenAI, guarded_server: SimpleNamespace) -> None:
     page = client.models.list()
     assert_conforms("ListModelsResponse", page.model_dump(exclude_unset=True))
     assert [m.id for m in page.data] == [guarded_server.model]
+    one = client.models.retrieve(guarded_server.model)
+    assert_conforms("Model", one.model_dump(exclude_unset=True))
+    assert one.id == guarded_server.model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.code == "model_not_found"
 
 
 def test_completions_of_one_prompt_and_of_a_list(client, guarded_server) -> None:

@@ -11,7 +11,7 @@ from jsonschema import Draft202012Validator
 
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.protocol import _UNSUPPORTED, parse_completion
-from scheduler_svc.api.schema import ChatCompletionRequest, CompletionRequest
+from scheduler_svc.api.schema import ROUTES, ChatCompletionRequest, CompletionRequest
 from tests.services import GUARD_KEY
 
 AUTH = {"Authorization": f"Bearer {GUARD_KEY}"}
@@ -35,16 +35,19 @@ def test_openapi_describes_each_route_and_real_answers_fit(guarded_server) -> No
         ("post", "/v1/completions", completion),
         ("post", "/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 1}),
         ("get", "/v1/models", None),
+        ("get", "/v1/models/{model}", None),
         ("post", "/tokenize", {"messages": MESSAGES, "return_token_strs": True}),
         ("post", "/detokenize", {"tokens": [1, 2]}),
         ("get", "/version", None),
     ]
+    assert {(method, path) for method, path, _ in calls} == set(ROUTES)  # each one tried
     for method, path, body in calls:
         operation = document["paths"][path][method]
         if body is not None:
             request_ref = operation["requestBody"]["content"]["application/json"]["schema"]
             validator(document, request_ref["$ref"].rsplit("/", 1)[1]).validate(body)
-        r = server.client.request(method, path, json=body, headers=AUTH)
+        url = path.replace("{model}", server.model)
+        r = server.client.request(method, url, json=body, headers=AUTH)
         assert r.status_code == 200, r.text
         answer_ref = operation["responses"]["200"]["content"]["application/json"]["schema"]
         validator(document, answer_ref["$ref"].rsplit("/", 1)[1]).validate(r.json())
