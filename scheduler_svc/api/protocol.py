@@ -255,9 +255,7 @@ def _parse_prompts(data: dict, max_prompts: int) -> list[Prompt]:
 
 def _token_ids(value: Any) -> bool:
     """Whether ``value`` is a (possibly empty) list of integers, true and false not among them."""
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    )
+    return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
 def _parse_messages(data: dict) -> list[dict[str, str]]:
