@@ -219,6 +219,9 @@ class ApiConfig:
         ),
     )
     max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
+    max_prompts: int = field(
+        default=64, metadata=_help("most prompts in one /v1/completions request")
+    )
     max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))
     max_body_bytes: int = field(default=4 << 20, metadata=_help("largest request body"))
     executor_budget_s: float = field(
@@ -232,8 +235,10 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_n < 1 or self.max_logprobs < 0 or self.max_body_bytes < 1:
-            raise ValueError("max_n >= 1, max_logprobs >= 0 and max_body_bytes >= 1 required")
+        if min(self.max_n, self.max_prompts, self.max_body_bytes) < 1 or self.max_logprobs < 0:
+            raise ValueError(
+                "max_n, max_prompts and max_body_bytes >= 1 and max_logprobs >= 0 required"
+            )
 
 
 @dataclass(frozen=True)

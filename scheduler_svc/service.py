@@ -13,9 +13,10 @@ import uvicorn
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.registry import ExecutorRegistry
 from pagedserve.settings import ApiConfig, SchedulerOptions
+from scheduler_svc.api.admission import ModelCard
 from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
-from scheduler_svc.api.http import Api, ModelCard, build_app
+from scheduler_svc.api.http import Api, build_app
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import IdCounter, LLMEngine

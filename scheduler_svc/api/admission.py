@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
-from scheduler_svc.api.protocol import ParsedRequest
+from scheduler_svc.api.protocol import ParsedRequest, Prompt
 from scheduler_svc.core.scheduler import RequestRejectedError
 from scheduler_svc.engine.async_engine import AsyncEngine
+
+
+@dataclass(slots=True)
+class ModelCard:
+    """The model served, as the front doors describe it."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
 
 
 def authorized(sent: bytes, key: str) -> bool:
@@ -39,27 +49,63 @@ def check_executor(engine: AsyncEngine, config: ApiConfig) -> None:
         )
 
 
-def tokenize_prompt(tokenizer: Any, vocab_size: int, parsed: ParsedRequest) -> list[int]:
-    """Prompt token ids: chat messages through the chat template, text, or ids checked
-    against the vocabulary."""
+def tokenize_prompts(tokenizer: Any, vocab_size: int, parsed: ParsedRequest) -> list[list[int]]:
+    """Token ids of each prompt: chat messages through the chat template, text, or ids
+    checked against the vocabulary. A batch's errors name the prompt (``prompt[i]``)."""
     if parsed.messages is not None:
-        encoded = tokenizer.apply_chat_template(
-            parsed.messages, add_generation_prompt=True, tokenize=True
+        return [_nonempty(chat_prompt_ids(tokenizer, parsed.messages))]
+    assert parsed.prompts is not None
+    many = len(parsed.prompts) > 1
+    return [
+        _prompt_ids(tokenizer, vocab_size, p, f"prompt[{i}]" if many else "prompt")
+        for i, p in enumerate(parsed.prompts)
+    ]
+
+
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """A chat's prompt: the messages through the model's chat template, then encoded
+    (the template writes its own special tokens, so none are added by default)."""
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_model(served: str, model: str | None) -> None:
+    """404 for a model this server does not serve; None (not named) is this one."""
+    if model is not None and model != served:
+        raise APIError(
+            404,
+            f"model '{model}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
         )
-        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-    elif isinstance(parsed.prompt, str):
-        ids = tokenizer.encode(parsed.prompt)
-    else:
-        ids = list(parsed.prompt)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                param="prompt",
-            )
+
+
+def _prompt_ids(tokenizer: Any, vocab_size: int, prompt: Prompt, param: str) -> list[int]:
+    if isinstance(prompt, str):
+        return _nonempty(tokenizer.encode(prompt), param)
+    return check_vocabulary(prompt, vocab_size, param)
+
+
+def check_vocabulary(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    """``ids``, each checked to be in the vocabulary; APIError(400) naming ``param``."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(
+            400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param
+        )
+    return list(ids)
+
+
+def _nonempty(ids: list[int], param: str = "prompt") -> list[int]:
     if not ids:
-        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        raise APIError(400, "the prompt encodes to no tokens", param=param)
     return ids
 
 

@@ -15,10 +15,15 @@ from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1 import frontdoor_pb2_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
-from scheduler_svc.api.admission import check_executor, check_fits, owner_of, tokenize_prompt
+from scheduler_svc.api.admission import (
+    ModelCard,
+    check_executor,
+    check_fits,
+    owner_of,
+    tokenize_prompts,
+)
 from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.grpc_gate import Gate
-from scheduler_svc.api.http import ModelCard
 from scheduler_svc.api.protocol import parse_completion
 from scheduler_svc.api.wire import finite_logprob
 from scheduler_svc.engine.async_engine import AsyncEngine
@@ -163,7 +168,7 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
         APIError (503 while the executor is away past the budget, as HTTP does, else 400)."""
         check_executor(self.engine, self.config)
         parsed = parse_completion(request_to_body(request, self.card.name), self.config, False)
-        prompt_ids = tokenize_prompt(self.tokenizer, self.card.vocab_size, parsed)
+        (prompt_ids,) = tokenize_prompts(self.tokenizer, self.card.vocab_size, parsed)
         check_fits(self.engine, len(prompt_ids), parsed.params)
         return parsed.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, parsed.params
 

@@ -7,7 +7,6 @@ import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -17,28 +16,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.admission import (
+    ModelCard,
     authorized,
     check_executor,
     check_fits,
+    check_model,
     owner_of,
-    tokenize_prompt,
+    tokenize_prompts,
 )
+from scheduler_svc.api.batch import merge, prompt_request_ids
 from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
 from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
-from scheduler_svc.api.render import Choice, Renderer
+from scheduler_svc.api.render import VERSION, Choice, Renderer
+from scheduler_svc.api.schema import describe
+from scheduler_svc.api.tokens import add_token_routes
 from scheduler_svc.api.wire import decode_body, read_body
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.state.streams import RequestDelta
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class ModelCard:
-    name: str
-    vocab_size: int
-    max_model_len: int
 
 
 class Api:
@@ -59,28 +56,41 @@ class Api:
         check_executor(self.engine, self.config)
         body = decode_body(await read_body(request, self.config.max_body_bytes))
         parsed = parse_completion(body, self.config, chat, request.headers.get("x-request-timeout"))
-        if parsed.model != self.card.name:
-            raise APIError(
-                404,
-                f"model '{parsed.model}' does not exist; this server serves '{self.card.name}'",
-                param="model",
-                code="model_not_found",
-            )
-        prompt_ids = tokenize_prompt(self.tokenizer, self.card.vocab_size, parsed)
-        check_fits(self.engine, len(prompt_ids), parsed.params)
+        check_model(self.card.name, parsed.model)
+        prompts = tokenize_prompts(self.tokenizer, self.card.vocab_size, parsed)
+        for ids in prompts:
+            check_fits(self.engine, len(ids), parsed.params)
         request_id = _request_id(request, parsed, chat)
         request.state.request_id = request_id
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
-        after = resume[0] - 1 if resume else None  # the named event may have more outputs
-        deltas = self.engine.generate(request_id, prompt_ids, parsed.params, after, self.owner)
-        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, len(prompt_ids), chat)
+        resumable = _resumable(request, resume, len(prompts))
+        deltas = self._generate(request_id, prompts, parsed.params, resume)
+        prompt_len = sum(map(len, prompts))
+        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompt_len, chat)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             first = await _first_unless_disconnected(request, deltas)
-            stream = render.sse(first, deltas, resume, _resumable(request, resume))
+            stream = render.sse(first, deltas, resume, resumable)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
+        num_choices = len(prompts) * parsed.params.n
+        choices = await _collect_unless_disconnected(request, deltas, num_choices)
         return JSONResponse(render.final(choices), headers=headers)
+
+    def _generate(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        resume: tuple[int, int] | None,
+    ) -> AsyncIterator[RequestDelta]:
+        """The engine's deltas of every prompt, as one stream (see batch.merge)."""
+        after = resume[0] - 1 if resume else None  # the named event may have more outputs
+        ids = prompt_request_ids(request_id, len(prompts))
+        streams = [
+            self.engine.generate(i, p, params, after, self.owner)
+            for i, p in zip(ids, prompts, strict=True)
+        ]
+        return merge(streams, params.n)
 
 
 def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
@@ -89,12 +99,20 @@ def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
     return header or parsed.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def _resumable(request: Request, resume: tuple[int, int] | None) -> bool:
+def _resumable(request: Request, resume: tuple[int, int] | None, num_prompts: int) -> bool:
     """Whether the stream's events carry ids for Last-Event-ID: asked for with
     ``X-Resumable-Stream: true``, or a resume itself. By default a stream is what OpenAI
-    sends, ``data:`` lines only, which every client's parser reads."""
+    sends, ``data:`` lines only, which every client's parser reads. An id counts the
+    events of one engine request, so a prompt list cannot be resumed."""
     asked = request.headers.get("x-resumable-stream", "").strip().lower()
-    return resume is not None or asked in ("1", "true", "yes")
+    resumable = resume is not None or asked in ("1", "true", "yes")
+    if resumable and num_prompts > 1:
+        raise APIError(
+            400,
+            "a resumable stream (X-Resumable-Stream, Last-Event-ID) takes one prompt",
+            param="prompt",
+        )
+    return resumable
 
 
 _LAST_EVENT = re.compile(r"([0-9]{1,10})\.([0-9]{1,10})")
@@ -173,7 +191,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
-OPEN_PATHS = ("/health", "/dashboard")  # no API key: no request data behind them
+# No API key: no request data behind them (/docs reads /openapi.json from the browser).
+OPEN_PATHS = ("/health", "/dashboard", "/docs", "/openapi.json")
 
 
 class ApiKeyCheck:
@@ -209,7 +228,8 @@ def _error_response(e: APIError) -> JSONResponse:
 def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None = None) -> FastAPI:
     """The FastAPI application; ``metrics`` renders /metrics (Prometheus text),
     ``dashboard`` serves the block map at /dashboard."""
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pagedserve", version=VERSION, docs_url="/docs", redoc_url=None)
+    describe(app)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -234,16 +254,22 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
             )
         return JSONResponse({"status": "engine stopped"}, status_code=503)
 
+    card = {
+        "id": api.card.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pagedserve",
+        "max_model_len": api.card.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": api.card.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pagedserve",
-            "max_model_len": api.card.max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # a model's name may be a path
+    async def model(model: str) -> dict[str, Any]:
+        check_model(api.card.name, model)
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -258,6 +284,7 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
         text = metrics() if metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    add_token_routes(app, api.tokenizer, api.card, api.config.max_body_bytes)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
     return app

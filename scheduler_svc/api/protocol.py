@@ -11,6 +11,7 @@ from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
 
+Prompt = str | list[int]  # text, or token ids
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
 # Request ids name Redis keys, log lines and the X-Request-Id response header: visible ASCII.
 _REQUEST_ID = re.compile(r"[!-~]{1,256}")
@@ -18,10 +19,10 @@ _REQUEST_ID = re.compile(r"[!-~]{1,256}")
 
 @dataclass(slots=True)
 class ParsedRequest:
-    """A validated completion or chat request, prompt not yet tokenized."""
+    """A validated completion or chat request, prompts not yet tokenized."""
 
     model: str
-    prompt: str | list[int] | None
+    prompts: list[Prompt] | None  # a completion's prompts, each answered with n choices
     messages: list[dict[str, str]] | None
     params: SamplingParams
     stream: bool
@@ -67,11 +68,11 @@ def parse_completion(
     _refuse_unsupported(data)
     model = _get(data, "model", (str,))
     _check(model is not None, "'model' is required", "model")
-    prompt, messages = None, None
+    prompts, messages = None, None
     if chat:
         messages = _parse_messages(data)
     else:
-        prompt = _parse_prompt(data)
+        prompts = _parse_prompts(data, config.max_prompts)
     n = _get(data, "n", (int,), 1)
     _check(1 <= n <= config.max_n, f"'n' must be in [1, {config.max_n}], got {n}", "n")
     best_of = _get(data, "best_of", (int,))
@@ -83,14 +84,7 @@ def parse_completion(
         )
         _check(best_of >= n, f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
     beam = _get(data, "use_beam_search", (bool,), False)
-    max_tokens = _get(
-        data,
-        "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens",
-        (int,),
-        16,
-    )
-    name = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
-    _check(max_tokens >= 1, f"'{name}' must be >= 1, got {max_tokens}", name)
+    max_tokens = _max_tokens(data)
     temperature = _number(data, "temperature", 0.0 if beam else 1.0)
     _check(
         0 <= temperature <= MAX_TEMPERATURE,
@@ -115,7 +109,6 @@ def parse_completion(
         "'stop' must be a non-empty string or a list of up to 16 of them",
         "stop",
     )
-    stream_options = _get(data, "stream_options", (dict,), {})
     try:
         params = SamplingParams(
             n=n,
@@ -143,14 +136,73 @@ def parse_completion(
     request_id = check_request_id(_get(data, "request_id", (str,)), "request_id")
     return ParsedRequest(
         model,
-        prompt,
+        prompts,
         messages,
         params,
         stream,
         logprobs,
         request_id,
-        bool(stream_options.get("include_usage", False)),
+        _include_usage(data, stream),
     )
+
+
+def _max_tokens(data: dict) -> int:
+    """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else 16."""
+    name = (
+        "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    max_tokens = _get(data, name, (int,), 16)
+    _check(max_tokens >= 1, f"'{name}' must be >= 1, got {max_tokens}", name)
+    return max_tokens
+
+
+def _include_usage(data: dict, stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``);
+    stream_options on a request that does not stream is refused, as OpenAI refuses it."""
+    options = _get(data, "stream_options", (dict,), {})
+    _check(
+        stream or not options,
+        "'stream_options' is only allowed with 'stream': true",
+        "stream_options",
+    )
+    include, name = options.get("include_usage"), "stream_options.include_usage"
+    _check(include is None or isinstance(include, bool), f"'{name}' must be a boolean", name)
+    return bool(include)
+
+
+@dataclass(slots=True)
+class ParsedTokenize:
+    """A validated /tokenize body, as vLLM takes it: a prompt, or chat messages."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(data: dict[str, Any]) -> ParsedTokenize:
+    """Validate a /tokenize body; vLLM's defaults: special tokens added to a prompt, not to
+    a chat (its template has them), and the generation prompt after the messages."""
+    chat = data.get("messages") is not None
+    prompt = None if chat else _get(data, "prompt", (str,))
+    _check(chat or prompt is not None, "'prompt' or 'messages' is required", "prompt")
+    return ParsedTokenize(
+        _get(data, "model", (str,)),
+        prompt,
+        _parse_messages(data) if chat else None,
+        _get(data, "add_special_tokens", (bool,), not chat),
+        _get(data, "add_generation_prompt", (bool,), True),
+        _get(data, "return_token_strs", (bool,), False),
+    )
+
+
+def parse_detokenize(data: dict[str, Any]) -> tuple[str | None, list[int]]:
+    """The model named (or None) and the token ids of a /detokenize body."""
+    tokens = data.get("tokens")
+    _check(_token_ids(tokens), "'tokens' must be a list of token ids", "tokens")
+    return _get(data, "model", (str,)), tokens
 
 
 def _timeout(data: dict, header: str | None) -> float | None:
@@ -176,22 +228,34 @@ def check_request_id(value: str | None, param: str) -> str | None:
     return value
 
 
-def _parse_prompt(data: dict) -> str | list[int]:
+def _parse_prompts(data: dict, max_prompts: int) -> list[Prompt]:
+    """The prompts in OpenAI's four forms: a string, a list of token ids, or a list of
+    either kind (a batch, each prompt answered on its own)."""
     prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        _check(prompt != "", "'prompt' must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        _check(len(prompt) > 0, "'prompt' must not be empty", "prompt")
-        return prompt
     _check(prompt is not None, "'prompt' is required", "prompt")
-    raise APIError(
-        400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
+    if isinstance(prompt, str) or _token_ids(prompt):
+        _check(len(prompt) > 0, "'prompt' must not be empty", "prompt")
+        return [prompt]
+    _check(
+        isinstance(prompt, list)
+        and (all(isinstance(p, str) for p in prompt) or all(map(_token_ids, prompt))),
+        "'prompt' must be a string, a list of token ids, a list of strings, or a list of "
+        "token-id lists",
+        "prompt",
     )
+    _check(
+        1 <= len(prompt) <= max_prompts,
+        f"'prompt' must hold 1 to {max_prompts} prompts, got {len(prompt)}",
+        "prompt",
+    )
+    for i, p in enumerate(prompt):
+        _check(len(p) > 0, f"'prompt[{i}]' must not be empty", f"prompt[{i}]")
+    return prompt
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` is a (possibly empty) list of integers, true and false not among them."""
+    return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
 def _parse_messages(data: dict) -> list[dict[str, str]]:
@@ -248,6 +312,11 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    "web_search_options": (None,),
+    "min_tokens": (None, 0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),

@@ -32,8 +32,9 @@ class Choice:
         self.finish_reason = out.finish_reason or self.finish_reason
 
 
+VERSION = importlib.metadata.version("pagedserve")
 # Which build answered, as OpenAI's responses say it; a new version may answer differently.
-SYSTEM_FINGERPRINT = f"pagedserve-{importlib.metadata.version('pagedserve')}"
+SYSTEM_FINGERPRINT = f"pagedserve-{VERSION}"
 
 
 class Renderer:

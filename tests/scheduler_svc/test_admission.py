@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.cluster import metric, used_blocks
+from tests.openai_spec import assert_conforms
 from tests.services import serve
 
 MAX_TOKENS = 200  # long enough that the burst lands while the first ones run
@@ -61,6 +62,7 @@ def test_a_burst_beyond_the_queue_gets_429_and_the_admitted_finish(server):
         assert r.headers["retry-after"] == "2"
         error = r.json()["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+        assert_conforms("ErrorResponse", r.json())
     for r in ok:
         assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
     assert refused(url) - before == len(full)

@@ -21,6 +21,7 @@ import structlog
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
 from scheduler_svc.api.errors import client_error
+from tests.openai_spec import assert_conforms
 from tests.redis_server import RedisServer
 from tests.services import free_port, start, stop, wait_healthy
 
@@ -85,6 +86,7 @@ def test_a_broken_stream_ends_with_an_error_event_and_done(on_private_redis):
     assert data[-1] == "[DONE]" and len(errors) == 1, data[-3:]
     assert errors[0]["message"] and errors[0]["type"] == "server_error", errors
     assert data[-2].startswith('{"error"')  # nothing after the error but [DONE]
+    assert_conforms("ErrorResponse", json.loads(data[-2]))
     assert grpc_status in ([grpc.StatusCode.UNAVAILABLE], [grpc.StatusCode.INTERNAL])
 
 

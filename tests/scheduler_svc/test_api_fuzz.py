@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
+from tests.openai_spec import assert_conforms
 from tests.services import GUARD_KEY
 
 KEY = GUARD_KEY
@@ -83,7 +84,9 @@ MESSAGES = st.lists(
     min_size=1,
     max_size=3,
 )
-PROMPTS = st.one_of(text, token_ids, st.lists(text, min_size=1, max_size=1))
+PROMPTS = st.one_of(
+    text, token_ids, st.lists(text, min_size=1, max_size=3), st.lists(token_ids, max_size=3)
+)
 
 
 def _fields(chat: bool, model: str) -> st.SearchStrategy[dict[str, Any]]:
@@ -168,18 +171,25 @@ def strict_json(text: str) -> Any:
 
 
 def check_http_answer(r: httpx.Response, streamed: bool) -> None:
+    """A 4xx with an OpenAI error, or an answer (whole or streamed) as OpenAI's schema has it."""
     assert r.status_code < 500, r.text[:500]
+    chat = r.request.url.path == "/v1/chat/completions"
     if r.status_code >= 400:
-        error = strict_json(r.text)["error"]
-        assert isinstance(error["message"], str) and error["message"], r.text
-        assert isinstance(error["type"], str) and {"param", "code"} <= error.keys(), r.text
+        assert strict_json(r.text)["error"]["message"], r.text
+        assert_conforms("ErrorResponse", strict_json(r.text))
     elif not streamed:
-        assert strict_json(r.text)["choices"]
+        body = strict_json(r.text)
+        assert body["choices"]
+        assert_conforms(
+            "CreateChatCompletionResponse" if chat else "CreateCompletionResponse", body
+        )
     else:
         data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert data and data[-1] == "[DONE]", r.text[-500:]
+        schema = "CreateChatCompletionStreamResponse" if chat else "CompletionStreamChunk"
         for payload in data[:-1]:
             assert "error" not in strict_json(payload), payload
+            assert_conforms(schema, strict_json(payload))
 
 
 # -- gRPC -------------------------------------------------------------------------------

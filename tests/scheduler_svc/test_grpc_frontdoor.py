@@ -22,8 +22,8 @@ from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
+from scheduler_svc.api.admission import ModelCard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
-from scheduler_svc.api.http import ModelCard
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine

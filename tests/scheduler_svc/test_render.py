@@ -27,7 +27,7 @@ class Letters:
 
 
 def renderer(chat: bool) -> Renderer:
-    parsed = ParsedRequest("m", "x", None, SamplingParams(), False, 2, None, False)
+    parsed = ParsedRequest("m", ["x"], None, SamplingParams(), False, 2, None, False)
     return Renderer("m", Letters(), parsed, "r-1", 3, chat)
 
 
