@@ -59,11 +59,12 @@ def _seq_from_dict(data: dict[str, Any]) -> Sequence:
     return Sequence(**data)
 
 
-def _prompt_logprobs_to_list(scored: list[PromptLogprob]) -> list[list[Any]]:
+def prompt_logprobs_to_list(scored: list[PromptLogprob]) -> list[list[Any]]:
+    """``[logprob, rank, [[token_id, logprob], ...]]`` per token: stored groups and events."""
     return [[p.logprob, p.rank, list(p.top_logprobs.items())] for p in scored]
 
 
-def _prompt_logprobs_from_list(data: list[list[Any]]) -> list[PromptLogprob]:
+def prompt_logprobs_from_list(data: list[list[Any]]) -> list[PromptLogprob]:
     return [PromptLogprob(lp, rank, dict(map(tuple, top))) for lp, rank, top in data]
 
 
@@ -80,7 +81,7 @@ def group_to_json(
             "queue": queue,
             "seqs": [_seq_to_dict(seq) for seq in group.seqs],
             "block_tables": {str(k): list(v) for k, v in block_tables.items()},
-            "prompt_logprobs": _prompt_logprobs_to_list(group.prompt_logprobs),
+            "prompt_logprobs": prompt_logprobs_to_list(group.prompt_logprobs),
         }
     ).decode()
 
@@ -97,7 +98,7 @@ def group_from_json(text: str) -> RestoredGroup:
         data["arrival_time"],
         params_from_dict(data["sampling_params"]),
         data["num_preemptions"],
-        _prompt_logprobs_from_list(data.get("prompt_logprobs", [])),
+        prompt_logprobs_from_list(data.get("prompt_logprobs", [])),
     )
     tables = {int(k): (v[0], v[1]) for k, v in data["block_tables"].items()}
     restored = RestoredGroup(group, data["queue"], tables)
@@ -172,14 +173,14 @@ def group_delta(
     delta = {"queue": queue, "num_preemptions": group.num_preemptions, "seqs": seqs}
     if len(group.prompt_logprobs) > mark.num_prompt_logprobs:
         scored = group.prompt_logprobs[mark.num_prompt_logprobs :]
-        delta["prompt_logprobs"] = _prompt_logprobs_to_list(scored)
+        delta["prompt_logprobs"] = prompt_logprobs_to_list(scored)
     return orjson.dumps(delta).decode()
 
 
 def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
     restored.queue = delta["queue"]
     restored.group.num_preemptions = delta["num_preemptions"]
-    restored.group.prompt_logprobs += _prompt_logprobs_from_list(delta.get("prompt_logprobs", []))
+    restored.group.prompt_logprobs += prompt_logprobs_from_list(delta.get("prompt_logprobs", []))
     by_id = {seq.seq_id: seq for seq in restored.group.seqs}
     for entry in delta["seqs"]:  # the fields in group_delta's order
         seq_id, status, computed, cum, prefix, read, ids, lps, tops, text, blocks, slots = entry
