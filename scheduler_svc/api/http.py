@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
+from pagedserve.step import PromptLogprob
 from scheduler_svc.api.admission import (
     authorized,
     check_executor,
@@ -73,14 +74,16 @@ class Api:
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
         after = resume[0] - 1 if resume else None  # the named event may have more outputs
         deltas = self.engine.generate(request_id, prompt_ids, parsed.params, after, self.owner)
-        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, len(prompt_ids), chat)
+        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompt_ids, chat)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             first = await _first_unless_disconnected(request, deltas)
             stream = render.sse(first, deltas, resume, _resumable(request, resume))
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        choices = await _collect_unless_disconnected(request, deltas, parsed.params.n)
-        return JSONResponse(render.final(choices), headers=headers)
+        choices, prompt_logprobs = await _collect_unless_disconnected(
+            request, deltas, parsed.params.n
+        )
+        return JSONResponse(render.final(choices, prompt_logprobs), headers=headers)
 
 
 def _request_id(request: Request, parsed: ParsedRequest, chat: bool) -> str:
@@ -137,12 +140,16 @@ async def _first_unless_disconnected(
 
 async def _collect_unless_disconnected(
     request: Request, deltas: AsyncIterator[RequestDelta], n: int
-) -> list[Choice]:
-    """Accumulate every delta; a client that goes away aborts the request."""
+) -> tuple[list[Choice], list[PromptLogprob] | None]:
+    """Accumulate every delta, and the prompt's scores when the first one carries them;
+    a client that goes away aborts the request."""
     choices = [Choice() for _ in range(n)]
+    prompt_logprobs = None
 
     async def collect() -> None:
+        nonlocal prompt_logprobs
         async for delta in deltas:
+            prompt_logprobs = delta.prompt_logprobs or prompt_logprobs
             for out in delta.outputs:
                 choices[out.index].add(out)
 
@@ -150,7 +157,7 @@ async def _collect_unless_disconnected(
         await _unless_disconnected(request, collect())
     finally:
         await deltas.aclose()
-    return choices
+    return choices, prompt_logprobs
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -28,6 +28,8 @@ class ParsedRequest:
     logprobs: int | None  # alternatives per token to return; None = no logprobs
     request_id: str | None
     include_usage: bool
+    echo: bool = False  # completions: the prompt comes back before the completion
+    prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
 
 
 def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -90,7 +92,14 @@ def parse_completion(
         16,
     )
     name = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
-    _check(max_tokens >= 1, f"'{name}' must be >= 1, got {max_tokens}", name)
+    echo = _get(data, "echo", (bool,), False)
+    _check(not (chat and echo), "'echo' is available for completions, not chat", "echo")
+    prompt_logprobs = _parse_prompt_logprobs(data, config)
+    _check(
+        max_tokens >= 1 or (max_tokens == 0 and (echo or prompt_logprobs is not None)),
+        f"'{name}' must be >= 1 (0 only with echo or prompt_logprobs), got {max_tokens}",
+        name,
+    )
     temperature = _number(data, "temperature", 0.0 if beam else 1.0)
     _check(
         0 <= temperature <= MAX_TEMPERATURE,
@@ -134,6 +143,7 @@ def parse_completion(
             stop=tuple(stop),
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
+            prompt_logprobs=_scored_prompt(prompt_logprobs, echo, logprobs, max_tokens),
             length_penalty=_number(data, "length_penalty", 1.0),
             priority=_get(data, "priority", (int,), 0),
             timeout=_timeout(data, timeout_header),
@@ -150,6 +160,8 @@ def parse_completion(
         logprobs,
         request_id,
         bool(stream_options.get("include_usage", False)),
+        echo,
+        prompt_logprobs,
     )
 
 
@@ -238,7 +250,6 @@ def _message_text(content: str | list, index: int) -> str:
 # that asks for nothing (the one given) is accepted.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "echo": (None, False),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -276,3 +287,33 @@ def _parse_logprobs(data: dict, config: ApiConfig, chat: bool) -> int | None:
         name,
     )
     return value
+
+
+def _parse_prompt_logprobs(data: dict, config: ApiConfig) -> int | None:
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token, returned whole, so not
+    with a stream (as vLLM refuses it)."""
+    value = _get(data, "prompt_logprobs", (int,))
+    if value is None:
+        return None
+    _check(
+        0 <= value <= config.max_logprobs,
+        f"'prompt_logprobs' must be in [0, {config.max_logprobs}], got {value}",
+        "prompt_logprobs",
+    )
+    _check(
+        not _get(data, "stream", (bool,), False),
+        "'prompt_logprobs' is not available with stream; echo with logprobs streams them",
+        "prompt_logprobs",
+    )
+    return value
+
+
+def _scored_prompt(
+    prompt_logprobs: int | None, echo: bool, logprobs: int | None, max_tokens: int
+) -> int | None:
+    """Alternatives per prompt token the engine must score, or None: what the response
+    shows as prompt_logprobs, and what echo shows with logprobs (or nothing generated)."""
+    wanted = [prompt_logprobs] if prompt_logprobs is not None else []
+    if echo and (logprobs is not None or max_tokens == 0):
+        wanted.append(logprobs or 0)
+    return max(wanted, default=None)
