@@ -103,9 +103,8 @@ class ModelRunner:
             sampled = self.sampler(logits, [ordered[i] for i in drawing])
             for i, output in zip(drawing, sampled, strict=True):
                 outputs[order[i]] = output
-        scored = score_prompts(hidden, ordered, self.model.compute_logits)
-        for i, prompt_logprobs in enumerate(scored):
-            outputs[order[i]].prompt_logprobs = prompt_logprobs
+        for i, scored in score_prompts(hidden, ordered, self.model.compute_logits).items():
+            outputs[order[i]].prompt_logprobs = scored
         return outputs
 
     def _prepare(self, seqs: list[SeqStep]) -> ModelInput:

@@ -20,9 +20,9 @@ def score_prompts(
     hidden: torch.Tensor,
     seqs: list[SeqStep],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> list[list[PromptLogprob]]:
-    """Each sequence's scored prompt tokens (``SeqStep.num_prompt_scored`` of them, in
-    order), empty for a sequence that scores none.
+) -> dict[int, list[PromptLogprob]]:
+    """The prompt tokens each sequence scores (``SeqStep.num_prompt_scored`` of them, in
+    order), by the sequence's index in ``seqs``; only sequences that score some appear.
 
     Args:
         hidden: ``[num_tokens, hidden_size]``, the step's last hidden states, sequence i's
@@ -30,29 +30,32 @@ def score_prompts(
         seqs: the step's sequences in ``hidden``'s order.
         compute_logits: ``[rows, hidden_size]`` -> ``[rows, vocab_size]`` logits.
     """
-    counts = [seq.num_prompt_scored for seq in seqs]
-    results: list[list[PromptLogprob]] = [[] for _ in seqs]
-    if not any(counts):
-        return results
-    starts = itertools.accumulate((len(seq.new_token_ids) for seq in seqs), initial=0)
+    asking = [i for i, seq in enumerate(seqs) if seq.sampling_params.prompt_logprobs is not None]
+    if not asking:  # the common case: one pass over the batch, nothing else
+        return {}
+    counts = {i: seqs[i].num_prompt_scored for i in asking}
+    scoring = [i for i in asking if counts[i]]
+    if not scoring:
+        return {}
+    starts = list(itertools.accumulate((len(seq.new_token_ids) for seq in seqs), initial=0))
     rows, targets = [], []
-    for seq, start, count in zip(seqs, starts, counts, strict=False):
-        first = seq.num_computed_tokens + 1  # the token that the logits at start score
-        rows += range(start, start + count)
-        targets += seq.prompt_token_ids[first : first + count]
-    num_top = max(seq.sampling_params.prompt_logprobs or 0 for seq in seqs)
+    for i in scoring:
+        first = seqs[i].num_computed_tokens + 1  # the token that the logits at starts[i] score
+        rows += range(starts[i], starts[i] + counts[i])
+        targets += seqs[i].prompt_token_ids[first : first + counts[i]]
+    num_top = max(seqs[i].sampling_params.prompt_logprobs for i in scoring)
     scored = []
     for lo in range(0, len(rows), ROWS_PER_SLICE):
         hi = lo + ROWS_PER_SLICE
         scored += _score_rows(hidden, rows[lo:hi], targets[lo:hi], num_top, compute_logits)
-    at = 0
-    for i, (seq, count) in enumerate(zip(seqs, counts, strict=True)):
-        k = seq.sampling_params.prompt_logprobs or 0
+    results, at = {}, 0
+    for i in scoring:
+        k = seqs[i].sampling_params.prompt_logprobs
         results[i] = [
             PromptLogprob(lp, rank, dict(itertools.islice(top.items(), k)))
-            for lp, rank, top in scored[at : at + count]
+            for lp, rank, top in scored[at : at + counts[i]]
         ]
-        at += count
+        at += counts[i]
     return results
 
 

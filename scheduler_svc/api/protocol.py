@@ -112,6 +112,11 @@ def parse_completion(
     _check(top_k >= -1 and top_k != 0, f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
     logprobs = _parse_logprobs(data, config, chat)
     stream = _get(data, "stream", (bool,), False)
+    _check(  # returned whole, as vLLM does, which refuses it with a stream too
+        not (stream and prompt_logprobs is not None),
+        "'prompt_logprobs' is not available with stream; echo with logprobs streams them",
+        "prompt_logprobs",
+    )
     _check(
         not (stream and (beam or (best_of or n) > n)),
         "streaming is not available with beam search or best_of > n",
@@ -290,19 +295,13 @@ def _parse_logprobs(data: dict, config: ApiConfig, chat: bool) -> int | None:
 
 
 def _parse_prompt_logprobs(data: dict, config: ApiConfig) -> int | None:
-    """vLLM's ``prompt_logprobs``: alternatives per prompt token, returned whole, so not
-    with a stream (as vLLM refuses it)."""
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token."""
     value = _get(data, "prompt_logprobs", (int,))
     if value is None:
         return None
     _check(
         0 <= value <= config.max_logprobs,
         f"'prompt_logprobs' must be in [0, {config.max_logprobs}], got {value}",
-        "prompt_logprobs",
-    )
-    _check(
-        not _get(data, "stream", (bool,), False),
-        "'prompt_logprobs' is not available with stream; echo with logprobs streams them",
         "prompt_logprobs",
     )
     return value

@@ -148,7 +148,7 @@ class BlockManager:
         hashes = self._chain_hashes(token_ids[:num_slots])
         for index, block_hash in enumerate(hashes):
             self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse:
             self.counters.prefix_cache_queries += len(token_ids)
             self.counters.prefix_cache_hits += num_hit_tokens
         return table, num_hit_tokens, num_slots, hashes
