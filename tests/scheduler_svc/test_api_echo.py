@@ -55,6 +55,11 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(
         assert top == pytest.approx(expected, abs=TOLERANCE)
     tokens = logprobs["tokens"]
     assert logprobs["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    as_ids = complete(guarded_server, prompt=prompt_ids, echo=True, logprobs=2, max_tokens=0)
+    assert as_ids["choices"][0]["text"] == tokenizer.decode(prompt_ids)
+    again = as_ids["choices"][0]["logprobs"]
+    assert (again["tokens"], again["text_offset"]) == (tokens, logprobs["text_offset"])
+    assert again["token_logprobs"] == pytest.approx(logprobs["token_logprobs"], abs=TOLERANCE)
 
 
 def test_echo_puts_the_prompt_before_the_same_completion(guarded_server: SimpleNamespace) -> None:
