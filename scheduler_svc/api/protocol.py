@@ -94,7 +94,7 @@ def parse_completion(
     name = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
     echo = _get(data, "echo", (bool,), False)
     _check(not (chat and echo), "'echo' is available for completions, not chat", "echo")
-    prompt_logprobs = _parse_prompt_logprobs(data, config)
+    prompt_logprobs = _logprobs_count(data, "prompt_logprobs", config)
     _check(
         max_tokens >= 1 or (max_tokens == 0 and (echo or prompt_logprobs is not None)),
         f"'{name}' must be >= 1 (0 only with echo or prompt_logprobs), got {max_tokens}",
@@ -281,29 +281,22 @@ def _parse_logprobs(data: dict, config: ApiConfig, chat: bool) -> int | None:
     if chat:
         if not _get(data, "logprobs", (bool,), False):
             return None
-        value, name = _get(data, "top_logprobs", (int,), 0), "top_logprobs"
-    else:
-        value, name = _get(data, "logprobs", (int,)), "logprobs"
-        if value is None:
-            return None
-    _check(
-        0 <= value <= config.max_logprobs,
-        f"'{name}' must be in [0, {config.max_logprobs}], got {value}",
-        name,
-    )
-    return value
+        return _logprobs_count(data, "top_logprobs", config, 0)
+    return _logprobs_count(data, "logprobs", config)
 
 
-def _parse_prompt_logprobs(data: dict, config: ApiConfig) -> int | None:
-    """vLLM's ``prompt_logprobs``: alternatives per prompt token."""
-    value = _get(data, "prompt_logprobs", (int,))
-    if value is None:
-        return None
-    _check(
-        0 <= value <= config.max_logprobs,
-        f"'prompt_logprobs' must be in [0, {config.max_logprobs}], got {value}",
-        "prompt_logprobs",
-    )
+def _logprobs_count(
+    data: dict, name: str, config: ApiConfig, default: int | None = None
+) -> int | None:
+    """A count of alternatives per token (``logprobs``, ``top_logprobs``, vLLM's
+    ``prompt_logprobs``) within the configured limit, or ``default`` when absent."""
+    value = _get(data, name, (int,), default)
+    if value is not None:
+        _check(
+            0 <= value <= config.max_logprobs,
+            f"'{name}' must be in [0, {config.max_logprobs}], got {value}",
+            name,
+        )
     return value
 
 
