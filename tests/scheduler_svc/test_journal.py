@@ -115,11 +115,11 @@ def test_a_new_leader_resumes_from_deltas(
 
 @pytest.mark.parametrize("kill_after", [1, 2, 3, 4])
 def test_prompt_logprobs_survive_a_new_leader(
-    journaled_engine: Callable[..., LLMEngine], kill_after: int
+    journaled_engine: Callable[..., LLMEngine], store: StateStore, kill_after: int
 ) -> None:
     """A prompt scored in three chunks, its leader gone after any step (the step in flight
-    replayed): the stream carries every prompt token's score once, in its first event,
-    equal to an uninterrupted run's."""
+    replayed): the stream in each store carries every prompt token's score once, in its
+    first event, equal to an uninterrupted run's."""
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     prompt = list(range(100, 140))
 
@@ -142,7 +142,6 @@ def test_prompt_logprobs_survive_a_new_leader(
     run(reference, new=True)
     first, *rest = prompt_scores(reference)
     assert len(first) == len(prompt) - 1 and rest == [None] * len(rest)
-    store = InMemoryStateStore()
     run(store, new=True, steps=kill_after)
     run(store, new=False)
     assert prompt_scores(store) == [first, *rest]
