@@ -75,26 +75,33 @@ def run(model_dir: Path, prompts: list[list[int]], params: SamplingParams, **opt
 SCORED = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=TOP)
 
 
+CHUNKS = {"max_num_batched_tokens": 64}
+
+
 @pytest.mark.parametrize(
     "setting",
     [
-        {},
-        {
+        {"max_num_batched_tokens": 4096},
+        CHUNKS,
+        CHUNKS
+        | {
             "executor": {"num_gpu_blocks": 100, "swap_space": 0.05},
             "preemption_mode": PreemptionMode.RECOMPUTE,
         },
     ],
-    ids=["roomy", "recompute"],
+    ids=["whole", "chunks", "recompute"],
 )
-def test_tiny_prompt_logprobs_in_chunks_match_hf(tiny_model_dir: Path, setting: dict) -> None:
-    """A 64-token budget splits every prompt past 64 tokens over several steps: each
-    chunk's positions are scored once, also when a preempted prompt is computed again."""
+def test_tiny_prompt_logprobs_match_hf(tiny_model_dir: Path, setting: dict) -> None:
+    """Whole prompts in one step (their scored rows sliced across sequences), or every
+    prompt past 64 tokens over several steps: each position is scored once, also when a
+    preempted prompt is computed again."""
     prompts = make_prompts(512, LENGTHS, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, prompt_logprobs=TOP)
-    results, llm = run(tiny_model_dir, prompts, params, max_num_batched_tokens=64, **setting)
-    assert llm.engine.stats.num_prompt_chunks > 0
-    if setting:
-        assert llm.engine.stats.preemptions.get("recompute", 0) > 0
+    results, llm = run(tiny_model_dir, prompts, params, **setting)
+    stats = llm.engine.stats
+    assert (stats.num_prompt_chunks > 0) == (setting["max_num_batched_tokens"] == 64)
+    if "preemption_mode" in setting:
+        assert stats.preemptions.get("recompute", 0) > 0
     for prompt, result in zip(prompts, results, strict=True):
         assert_same_scores(result.prompt_logprobs, hf_prompt_logprobs(tiny_model_dir, prompt))
         assert len(result.outputs[0].token_ids) == 64
