@@ -9,12 +9,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from openai import OpenAI
 
 from pagedserve.model_files import load_tokenizer
 from tests.executor_svc.test_prompt_logprobs_vs_hf import TOLERANCE, hf_prompt_logprobs
+from tests.services import GUARD_KEY
 
 PROMPT = "The harbour committee met on a grey morning to weigh the plans"
-GUARD = {"Authorization": "Bearer guard-key"}
+GUARD = {"Authorization": f"Bearer {GUARD_KEY}"}
 
 
 def complete(server: SimpleNamespace, **body: object) -> dict:
@@ -147,3 +149,20 @@ def test_bad_values_get_a_400_naming_the_field(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert complete(guarded_server, max_tokens=1)["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_openai_client_reads_an_echo(guarded_server: SimpleNamespace) -> None:
+    client = OpenAI(base_url=f"{guarded_server.url}/v1", api_key=GUARD_KEY)
+    completion = client.completions.create(
+        model=guarded_server.model, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0
+    )
+    (choice,) = completion.choices
+    assert choice.text == PROMPT and choice.logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    scored = client.completions.create(
+        model=guarded_server.model,
+        prompt=PROMPT,
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert scored.choices[0].model_extra["prompt_logprobs"][0] is None
