@@ -12,6 +12,7 @@ import pytest
 from openai import OpenAI
 
 from pagedserve.model_files import load_tokenizer
+from tests.executor_svc.test_generation_vs_hf import hf_greedy
 from tests.executor_svc.test_prompt_logprobs_vs_hf import TOLERANCE, hf_prompt_logprobs
 from tests.services import GUARD_KEY
 
@@ -166,3 +167,30 @@ def test_the_openai_client_reads_an_echo(guarded_server: SimpleNamespace) -> Non
         extra_body={"prompt_logprobs": 1},
     )
     assert scored.choices[0].model_extra["prompt_logprobs"][0] is None
+
+
+def test_a_loglikelihood_request_as_lm_evaluation_harness_sends_it(
+    guarded_server: SimpleNamespace, tiny_chat_model_dir: Path, prompt_ids: list[int]
+) -> None:
+    """lm-evaluation-harness's local-completions: token ids (a batch of one), echo, one
+    token drawn; it sums the continuation's logprobs, dropping the drawn token, and calls
+    the continuation greedy when each token's logprob is its position's best."""
+    context, continuation = prompt_ids[:6], prompt_ids[6:]
+    body = {"prompt": [prompt_ids], "max_tokens": 1, "logprobs": 1, "echo": True, "seed": 1234}
+    choice = complete(guarded_server, temperature=0, **body)["choices"][0]
+    scored = choice["logprobs"]["token_logprobs"][len(context) : -1]
+    tops = choice["logprobs"]["top_logprobs"][len(context) : -1]
+    reference = hf_prompt_logprobs(tiny_chat_model_dir, prompt_ids)[len(context) - 1 :]
+    assert len(scored) == len(continuation)
+    assert sum(scored) == pytest.approx(sum(p.logprob for p in reference), abs=1e-3)
+    assert is_greedy(scored, tops) == all(p.rank == 1 for p in reference)
+    # The model's own greedy continuation of the context is greedy by that measure.
+    ((drawn, _),) = hf_greedy(tiny_chat_model_dir, [context], 4)
+    again = complete(guarded_server, temperature=0, **body | {"prompt": [context + drawn]})
+    logprobs = again["choices"][0]["logprobs"]
+    tail = slice(len(context), -1)
+    assert is_greedy(logprobs["token_logprobs"][tail], logprobs["top_logprobs"][tail])
+
+
+def is_greedy(logprobs: list[float], tops: list[dict[str, float]]) -> bool:
+    return all(lp == max(top.values()) for lp, top in zip(logprobs, tops, strict=True))
