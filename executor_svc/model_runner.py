@@ -12,6 +12,7 @@ from executor_svc.attention import AttentionMetadata
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.parallel import Shard
+from executor_svc.prompt_scorer import score_prompts
 from executor_svc.sampler import Sampler
 from kernels import ops
 from pagedserve.step import SeqOutput, SeqStep
@@ -102,6 +103,8 @@ class ModelRunner:
             sampled = self.sampler(logits, [ordered[i] for i in drawing])
             for i, output in zip(drawing, sampled, strict=True):
                 outputs[order[i]] = output
+        for i, scored in score_prompts(hidden, ordered, self.model.compute_logits).items():
+            outputs[order[i]].prompt_logprobs = scored
         return outputs
 
     def _prepare(self, seqs: list[SeqStep]) -> ModelInput:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import EngineOptions, ExecutorConfig
+from pagedserve.step import PromptLogprob
 
 if TYPE_CHECKING:
     from scheduler_svc.core.sequence import SequenceGroup
@@ -46,6 +47,8 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[Completion]
+    # Prompt tokens 1, 2, ... as the model scored them, when params.prompt_logprobs asks.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 
 class OfflineLLM:
@@ -114,4 +117,5 @@ class OfflineLLM:
             )
             for seq in group.outputs()
         ]
-        return RequestOutput(group.request_id, list(group.seqs[0].prompt_token_ids), completions)
+        prompt_ids = list(group.seqs[0].prompt_token_ids)
+        return RequestOutput(group.request_id, prompt_ids, completions, group.prompt_logprobs)

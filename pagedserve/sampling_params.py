@@ -62,6 +62,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, cut from the returned text
     seed: int | None = None
     logprobs: int | None = None
+    # Alternatives reported per prompt token; None: the prompt is not scored. A prompt
+    # scored is computed whole: prefix-cached blocks hold no logits to score it with.
+    prompt_logprobs: int | None = None
     length_penalty: float = 1.0
     # Scheduling, not sampling: never sent to the executor.
     priority: int = 0  # lower runs first (FCFS within a priority), preempted last
@@ -92,10 +95,14 @@ class SamplingParams:
         for name, bound in _SYMMETRIC_RANGES:
             if not -bound <= getattr(self, name) <= bound:
                 raise bad(name, f"must be in [-{bound}, {bound}], got {getattr(self, name)}")
-        if not 1 <= self.max_tokens <= UINT32_MAX:
-            raise bad("max_tokens", f"must be in [1, {UINT32_MAX}], got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= UINT32_MAX:
-            raise bad("logprobs", f"must be in [0, {UINT32_MAX}], got {self.logprobs}")
+        # 0 scores the prompt and draws nothing: without prompt_logprobs it would do nothing.
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        if not lowest <= self.max_tokens <= UINT32_MAX:
+            raise bad("max_tokens", f"must be in [{lowest}, {UINT32_MAX}], got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= UINT32_MAX:
+                raise bad(name, f"must be in [0, {UINT32_MAX}], got {value}")
         if not all(_is_int(i) and 0 <= i <= INT32_MAX for i in self.stop_token_ids):
             ids = list(self.stop_token_ids)
             raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {ids}")

@@ -21,6 +21,10 @@ class SeqStep:
     With ``num_steps`` k > 1 (one sample, no beams) the executor goes on decoding: each
     drawn token is fed back at the next position, k tokens in all, so one round trip to
     the scheduler serves k decode steps. The table then maps k - 1 more positions.
+
+    With ``sampling_params.prompt_logprobs`` set and ``prompt_token_ids`` sent, the
+    executor also scores the prompt: the logits at each new position p score the prompt
+    token at p + 1, for every p + 1 < len(prompt_token_ids) (see ``num_prompt_scored``).
     """
 
     seq_id: int
@@ -32,7 +36,8 @@ class SeqStep:
     # Seeds a per-sequence generator so a seeded request draws the same tokens whatever
     # else shares its batch: (seed, sample index, output length) fixes every draw.
     sample_index: int = 0
-    # Only sent when a penalty needs them: the full prompt and the output so far.
+    # The full prompt, sent when a penalty or the prompt's scoring needs it; the output so
+    # far, sent when a penalty needs it.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_steps: int = 1
@@ -40,6 +45,20 @@ class SeqStep:
     @property
     def context_len(self) -> int:
         return self.num_computed_tokens + len(self.new_token_ids)
+
+    @property
+    def num_prompt_scored(self) -> int:
+        """Prompt tokens this step scores: those at positions num_computed_tokens + 1 ..,
+        one per new position whose next token is still in the prompt.
+
+            prompt:     t0  t1  t2  t3  t4          (len 5)
+            chunk:          [p1  p2  p3]            (num_computed_tokens 1, 3 new)
+            scores:             t2  t3  t4          logits at p score the token at p + 1
+        """
+        if self.sampling_params.prompt_logprobs is None:
+            return 0
+        num_left = len(self.prompt_token_ids) - 1 - self.num_computed_tokens
+        return max(0, min(len(self.new_token_ids), num_left))
 
     def advance(self, token_id: int) -> SeqStep:
         """The next of ``num_steps`` decode steps: ``token_id`` (just drawn) goes in."""
@@ -71,15 +90,27 @@ class ExecuteStep:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """How likely the model found one prompt token after the tokens before it: its
+    logprob, its rank (1 + the number of other tokens at least as likely), and the top
+    alternatives as ``{token_id: logprob}``, most likely first."""
+
+    logprob: float
+    rank: int
+    top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class SeqOutput:
     """What was drawn for one sequence: ``num_samples`` tokens (or ``num_steps`` in a row)
     with their logprobs, and when asked for, the top alternatives of each draw as
-    ``{token_id: logprob}``."""
+    ``{token_id: logprob}``; and the prompt tokens the step scored, in order."""
 
     seq_id: int
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,14 @@ from dataclasses import fields
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockPairs, ExecuteStep, SeqOutput, SeqStep, StepResult
+from pagedserve.step import (
+    BlockPairs,
+    ExecuteStep,
+    PromptLogprob,
+    SeqOutput,
+    SeqStep,
+    StepResult,
+)
 
 
 def pairs_to_pb(pairs: BlockPairs) -> list[pb.BlockPair]:
@@ -39,6 +46,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParameters:
         stop_token_ids=p.stop_token_ids,
         seed=p.seed,
         logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
         length_penalty=p.length_penalty,
     )
 
@@ -61,6 +69,7 @@ def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
         stop_token_ids=tuple(m.stop_token_ids),
         seed=m.seed if m.HasField("seed") else None,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         length_penalty=m.length_penalty,
     )
 
@@ -130,9 +139,19 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
     )
 
 
-def _top_to_pb(top: dict[int, float]) -> pb.TopLogprobs:
-    return pb.TopLogprobs(
-        entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top.items()]
+def _entries_to_pb(top: dict[int, float]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top.items()]
+
+
+def _entries_from_pb(entries: Iterable[pb.TokenLogprob]) -> dict[int, float]:
+    return {e.token_id: e.logprob for e in entries}
+
+
+def _prompt_logprob_to_pb(scored: PromptLogprob) -> pb.PromptLogprob:
+    return pb.PromptLogprob(
+        logprob=scored.logprob,
+        rank=scored.rank,
+        top_logprobs=_entries_to_pb(scored.top_logprobs),
     )
 
 
@@ -142,7 +161,8 @@ def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
             seq_id=o.seq_id,
             token_ids=o.token_ids,
             logprobs=o.logprobs,
-            top_logprobs=[_top_to_pb(top) for top in o.top_logprobs],
+            top_logprobs=[pb.TopLogprobs(entries=_entries_to_pb(top)) for top in o.top_logprobs],
+            prompt_logprobs=[_prompt_logprob_to_pb(scored) for scored in o.prompt_logprobs],
         )
         for o in result.outputs
     ]
@@ -155,7 +175,11 @@ def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
             seq_id=o.seq_id,
             token_ids=list(o.token_ids),
             logprobs=list(o.logprobs),
-            top_logprobs=[{e.token_id: e.logprob for e in top.entries} for top in o.top_logprobs],
+            top_logprobs=[_entries_from_pb(top.entries) for top in o.top_logprobs],
+            prompt_logprobs=[
+                PromptLogprob(p.logprob, p.rank, _entries_from_pb(p.top_logprobs))
+                for p in o.prompt_logprobs
+            ],
         )
         for o in m.outputs
     ]

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
+from pagedserve.step import PromptLogprob
 from scheduler_svc.api.admission import (
     ModelCard,
     authorized,
@@ -65,16 +66,15 @@ class Api:
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
         resumable = _resumable(request, resume, len(prompts))
         deltas = self._generate(request_id, prompts, parsed.params, resume)
-        prompt_len = sum(map(len, prompts))
-        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompt_len, chat)
+        render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompts, chat)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             first = await _first_unless_disconnected(request, deltas)
             stream = render.sse(first, deltas, resume, resumable)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         num_choices = len(prompts) * parsed.params.n
-        choices = await _collect_unless_disconnected(request, deltas, num_choices)
-        return JSONResponse(render.final(choices), headers=headers)
+        choices, prompt_logprobs = await _collect_unless_disconnected(request, deltas, num_choices)
+        return JSONResponse(render.final(choices, prompt_logprobs), headers=headers)
 
     def _generate(
         self,
@@ -154,13 +154,17 @@ async def _first_unless_disconnected(
 
 
 async def _collect_unless_disconnected(
-    request: Request, deltas: AsyncIterator[RequestDelta], n: int
-) -> list[Choice]:
-    """Accumulate every delta; a client that goes away aborts the request."""
-    choices = [Choice() for _ in range(n)]
+    request: Request, deltas: AsyncIterator[RequestDelta], num_choices: int
+) -> tuple[list[Choice], list[PromptLogprob] | None]:
+    """Accumulate every delta, and the prompt's scores when the first one carries them
+    (a request that asks for them has one prompt); a client that goes away aborts it."""
+    choices = [Choice() for _ in range(num_choices)]
+    prompt_logprobs = None
 
     async def collect() -> None:
+        nonlocal prompt_logprobs
         async for delta in deltas:
+            prompt_logprobs = delta.prompt_logprobs or prompt_logprobs
             for out in delta.outputs:
                 choices[out.index].add(out)
 
@@ -168,7 +172,7 @@ async def _collect_unless_disconnected(
         await _unless_disconnected(request, collect())
     finally:
         await deltas.aclose()
-    return choices
+    return choices, prompt_logprobs
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

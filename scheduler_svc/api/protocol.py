@@ -29,6 +29,8 @@ class ParsedRequest:
     logprobs: int | None  # alternatives per token to return; None = no logprobs
     request_id: str | None
     include_usage: bool
+    echo: bool = False  # completions: the prompt comes back before the completion
+    prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
 
 
 def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -84,7 +86,22 @@ def parse_completion(
         )
         _check(best_of >= n, f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
     beam = _get(data, "use_beam_search", (bool,), False)
-    max_tokens = _max_tokens(data)
+    max_tokens, name = _max_tokens(data)
+    echo = _get(data, "echo", (bool,), False)
+    _check(not (chat and echo), "'echo' is available for completions, not chat", "echo")
+    prompt_logprobs = _logprobs_count(data, "prompt_logprobs", config)
+    _check(
+        max_tokens >= 1 or (max_tokens == 0 and (echo or prompt_logprobs is not None)),
+        f"'{name}' must be >= 1 (0 only with echo or prompt_logprobs), got {max_tokens}",
+        name,
+    )
+    for scored, field in ((echo, "echo"), (prompt_logprobs is not None, "prompt_logprobs")):
+        _check(
+            not scored or prompts is None or len(prompts) == 1,
+            f"'{field}' takes one prompt, not a list of {len(prompts or ())}: send one "
+            "request per prompt",
+            field,
+        )
     temperature = _number(data, "temperature", 0.0 if beam else 1.0)
     _check(
         0 <= temperature <= MAX_TEMPERATURE,
@@ -97,6 +114,11 @@ def parse_completion(
     _check(top_k >= -1 and top_k != 0, f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
     logprobs = _parse_logprobs(data, config, chat)
     stream = _get(data, "stream", (bool,), False)
+    _check(  # returned whole, as vLLM does, which refuses it with a stream too
+        not (stream and prompt_logprobs is not None),
+        "'prompt_logprobs' is not available with stream; echo with logprobs streams them",
+        "prompt_logprobs",
+    )
     _check(
         not (stream and (beam or (best_of or n) > n)),
         "streaming is not available with beam search or best_of > n",
@@ -127,6 +149,7 @@ def parse_completion(
             stop=tuple(stop),
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
+            prompt_logprobs=_scored_prompt(prompt_logprobs, echo, logprobs, max_tokens),
             length_penalty=_number(data, "length_penalty", 1.0),
             priority=_get(data, "priority", (int,), 0),
             timeout=_timeout(data, timeout_header),
@@ -143,17 +166,18 @@ def parse_completion(
         logprobs,
         request_id,
         _include_usage(data, stream),
+        echo,
+        prompt_logprobs,
     )
 
 
-def _max_tokens(data: dict) -> int:
-    """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else 16."""
+def _max_tokens(data: dict) -> tuple[int, str]:
+    """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else 16; and
+    the name the value came under."""
     name = (
         "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     )
-    max_tokens = _get(data, name, (int,), 16)
-    _check(max_tokens >= 1, f"'{name}' must be >= 1, got {max_tokens}", name)
-    return max_tokens
+    return _get(data, name, (int,), 16), name
 
 
 def _include_usage(data: dict, stream: bool) -> bool:
@@ -302,7 +326,6 @@ def _message_text(content: str | list, index: int) -> str:
 # that asks for nothing (the one given) is accepted.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "echo": (None, False),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -334,14 +357,31 @@ def _parse_logprobs(data: dict, config: ApiConfig, chat: bool) -> int | None:
     if chat:
         if not _get(data, "logprobs", (bool,), False):
             return None
-        value, name = _get(data, "top_logprobs", (int,), 0), "top_logprobs"
-    else:
-        value, name = _get(data, "logprobs", (int,)), "logprobs"
-        if value is None:
-            return None
-    _check(
-        0 <= value <= config.max_logprobs,
-        f"'{name}' must be in [0, {config.max_logprobs}], got {value}",
-        name,
-    )
+        return _logprobs_count(data, "top_logprobs", config, 0)
+    return _logprobs_count(data, "logprobs", config)
+
+
+def _logprobs_count(
+    data: dict, name: str, config: ApiConfig, default: int | None = None
+) -> int | None:
+    """A count of alternatives per token (``logprobs``, ``top_logprobs``, vLLM's
+    ``prompt_logprobs``) within the configured limit, or ``default`` when absent."""
+    value = _get(data, name, (int,), default)
+    if value is not None:
+        _check(
+            0 <= value <= config.max_logprobs,
+            f"'{name}' must be in [0, {config.max_logprobs}], got {value}",
+            name,
+        )
     return value
+
+
+def _scored_prompt(
+    prompt_logprobs: int | None, echo: bool, logprobs: int | None, max_tokens: int
+) -> int | None:
+    """Alternatives per prompt token the engine must score, or None: what the response
+    shows as prompt_logprobs, and what echo shows with logprobs (or nothing generated)."""
+    wanted = [prompt_logprobs] if prompt_logprobs is not None else []
+    if echo and (logprobs is not None or max_tokens == 0):
+        wanted.append(logprobs or 0)
+    return max(wanted, default=None)

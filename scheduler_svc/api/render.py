@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.step import PromptLogprob
 from scheduler_svc.api.errors import client_error
 from scheduler_svc.api.protocol import ParsedRequest
 from scheduler_svc.api.wire import finite_logprob, to_json
@@ -46,25 +48,37 @@ class Renderer:
         tokenizer: Any,
         parsed: ParsedRequest,
         request_id: str,
-        prompt_len: int,
+        prompts: list[list[int]],
         chat: bool,
     ) -> None:
         self.model, self.tokenizer, self.parsed = model, tokenizer, parsed
-        self.request_id, self.prompt_len, self.chat = request_id, prompt_len, chat
+        self.request_id, self.chat = request_id, chat
+        # Echo and prompt scores come with one prompt (a list of several is refused).
+        self.prompt_ids = prompts[0]
+        self.prompt_len = sum(map(len, prompts))
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
-    def final(self, choices: list[Choice]) -> dict[str, Any]:
+    def final(
+        self, choices: list[Choice], prompt_logprobs: list[PromptLogprob] | None = None
+    ) -> dict[str, Any]:
+        """The whole response; ``prompt_logprobs``: the prompt's scores, when asked for."""
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        return {
+        body = {
             "id": self.request_id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [self._choice(i, c, final=True) for i, c in enumerate(choices)],
+            "choices": [
+                self._choice(i, c, True, self.parsed.echo, prompt_logprobs)
+                for i, c in enumerate(choices)
+            ],
             "usage": self._usage(completion_tokens),
         }
+        if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM's place for it
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_logprobs)
+        return body
 
     async def sse(
         self,
@@ -111,7 +125,9 @@ class Renderer:
                 choice = Choice(
                     out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
                 )
-                chunk = self._chunk([self._choice(out.index, choice, False)])
+                echo = self.parsed.echo and delta.event == 1  # the prompt, as vLLM streams it
+                body = self._choice(out.index, choice, False, echo, delta.prompt_logprobs)
+                chunk = self._chunk([body])
                 yield _event(f"{delta.event}.{out.index}" if ids else None, chunk)
         if self.parsed.include_usage:
             yield _event(None, self._chunk([]) | {"usage": self._usage(completion_tokens)})
@@ -127,34 +143,90 @@ class Renderer:
             "choices": choices,
         }
 
-    def _choice(self, index: int, c: Choice, final: bool) -> dict[str, Any]:
-        logprobs = self._logprobs(c) if self.parsed.logprobs is not None else None
-        body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    def _choice(
+        self,
+        index: int,
+        c: Choice,
+        final: bool,
+        echo: bool = False,
+        prompt_logprobs: list[PromptLogprob] | None = None,
+    ) -> dict[str, Any]:
+        """One choice; with ``echo`` (completions) the prompt's text, and with logprobs its
+        tokens, come first."""
+        body: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
         if not self.chat:
-            return body | {"text": c.text}
+            body["logprobs"] = None
+            if self.parsed.logprobs is not None:
+                body["logprobs"] = self._completion_logprobs(c, echo, prompt_logprobs)
+            body["text"] = self._prompt_text() + c.text if echo else c.text
+            if final and self.parsed.prompt_logprobs is not None:
+                body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_logprobs)
+            return body
+        body["logprobs"] = self._chat_logprobs(c) if self.parsed.logprobs is not None else None
         if final:  # no refusals here: the field is there, null, as OpenAI's schema requires
             return body | {"message": {"role": "assistant", "content": c.text, "refusal": None}}
         return body | {"delta": {"content": c.text}}
 
-    def _logprobs(self, c: Choice) -> dict[str, Any]:
-        tokenizer = self.tokenizer
-        tokens = [tokenizer.decode([t]) for t in c.token_ids]
+    def _prompt_text(self) -> str:
+        """The prompt as the client sent it (token ids decoded)."""
+        prompt = self.parsed.prompts[0]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(self.prompt_ids)
+
+    def _decoded(self, top: dict[int, float]) -> dict[str, float]:
+        return {self.tokenizer.decode([t]): finite_logprob(lp) for t, lp in top.items()}
+
+    def _completion_logprobs(
+        self, c: Choice, echo: bool, prompt_logprobs: list[PromptLogprob] | None
+    ) -> dict[str, Any]:
+        """OpenAI's legacy shape; with ``echo`` the prompt's tokens first, the first one's
+        logprob and alternatives null (nothing comes before it)."""
+        token_ids = c.token_ids
+        logprobs: list[float | None] = [finite_logprob(lp) for lp in c.logprobs]
+        tops: list[dict[str, float] | None] = [self._decoded(top) for top in c.top_logprobs]
+        if echo:
+            k = self.parsed.logprobs or 0
+            scores = _aligned(self.prompt_ids, prompt_logprobs)
+            token_ids = self.prompt_ids + token_ids
+            logprobs = [p if p is None else finite_logprob(p.logprob) for p in scores] + logprobs
+            prompt_tops = [
+                p if p is None else self._decoded(_first(p.top_logprobs, k)) for p in scores
+            ]
+            tops = prompt_tops + tops
+        tokens = [self.tokenizer.decode([t]) for t in token_ids]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops if self.parsed.logprobs and tops else None,
+            "text_offset": offsets if tokens else [],
+        }
+
+    def _vllm_prompt_logprobs(
+        self, prompt_logprobs: list[PromptLogprob] | None
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (null for the first), the token and
+        the top alternatives by id, each with its logprob, rank and text."""
+        k = self.parsed.prompt_logprobs or 0
+        shaped: list[dict[str, dict[str, Any]] | None] = []
+        scores = _aligned(self.prompt_ids, prompt_logprobs)
+        for token_id, p in zip(self.prompt_ids, scores, strict=True):
+            if p is None:
+                shaped.append(None)
+                continue
+            entries = {str(token_id): self._vllm_logprob(token_id, p.logprob, p.rank)}
+            for rank, (t, lp) in enumerate(_first(p.top_logprobs, k).items(), start=1):
+                entries.setdefault(str(t), self._vllm_logprob(t, lp, rank))
+            shaped.append(entries)
+        return shaped
+
+    def _vllm_logprob(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        decoded = self.tokenizer.decode([token_id])
+        return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": decoded}
+
+    def _chat_logprobs(self, c: Choice) -> dict[str, Any]:
+        tokens = [self.tokenizer.decode([t]) for t in c.token_ids]
         logprobs = [finite_logprob(lp) for lp in c.logprobs]
-        tops = [
-            {tokenizer.decode([t]): finite_logprob(lp) for t, lp in top.items()}
-            for top in c.top_logprobs
-        ]
-        if not self.chat:
-            offsets, at = [], 0
-            for token in tokens:
-                offsets.append(at)
-                at += len(token)
-            return {
-                "tokens": tokens,
-                "token_logprobs": logprobs,
-                "top_logprobs": tops or None,
-                "text_offset": offsets,
-            }
+        tops = [self._decoded(top) for top in c.top_logprobs]
         content = []
         for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             top = [
@@ -172,6 +244,20 @@ class Renderer:
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_len + completion_tokens,
         }
+
+
+def _aligned(
+    prompt_ids: list[int], prompt_logprobs: list[PromptLogprob] | None
+) -> list[PromptLogprob | None]:
+    """One entry per prompt token: None for the first (nothing before it) and for any the
+    engine did not score (a request it ended before its prompt ran)."""
+    scored = prompt_logprobs or []
+    return [None, *scored, *[None] * (len(prompt_ids) - 1 - len(scored))][: len(prompt_ids)]
+
+
+def _first(top: dict[int, float], k: int) -> dict[int, float]:
+    """The ``k`` most likely of ``top`` (which holds them most likely first)."""
+    return dict(itertools.islice(top.items(), k))
 
 
 def _event(event_id: str | None, payload: dict[str, Any]) -> str:

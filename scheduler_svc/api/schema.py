@@ -20,8 +20,8 @@ class Sampling(BaseModel):
     """Fields both completion endpoints take."""
 
     model: str
-    max_tokens: int = Field(16, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    max_tokens: int = Field(16, ge=0, description="0 only with echo or prompt_logprobs")
+    max_completion_tokens: int | None = Field(None, ge=0, description="wins over max_tokens")
     temperature: float = Field(1.0, ge=0, le=2, description="below 1e-5 is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 (off) or >= 1")
@@ -46,6 +46,9 @@ class Sampling(BaseModel):
     metadata: dict[str, str] | None = Field(None, description="accepted, ignored")
     store: bool | None = Field(None, description="accepted, ignored")
     service_tier: str | None = Field(None, description="accepted, ignored")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, description="vLLM's: alternatives per prompt token; one prompt, no stream"
+    )
 
 
 class CompletionRequest(Sampling):
@@ -53,6 +56,7 @@ class CompletionRequest(Sampling):
         description="one prompt, or a list of them answered with n choices each"
     )
     logprobs: int | None = Field(None, ge=0, description="alternatives per token")
+    echo: bool = Field(False, description="the prompt before the completion; one prompt")
 
 
 class TextPart(BaseModel):
@@ -69,6 +73,7 @@ class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0)
+    echo: bool = Field(False, description="completions only: true is a 400 here")
 
 
 class TokenizeRequest(BaseModel):
@@ -96,6 +101,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="with prompt_logprobs, as vLLM shapes them"
+    )
 
 
 class AssistantMessage(BaseModel):
@@ -130,6 +138,9 @@ class CompletionResponse(_Response):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="with prompt_logprobs, as vLLM shapes them"
+    )
 
 
 class ModelCardBody(BaseModel):

@@ -79,8 +79,9 @@ class BlockManager:
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether the waiting sequences fit, keeping the watermark free. No side effects."""
         required = total = 0
+        reuse = not group.needs_prompt_logprobs
         for token_ids in self._distinct_prompts(group):
-            hits = self._reusable_prefix(token_ids)
+            hits = self._reusable_prefix(token_ids) if reuse else []
             total += self.blocks_for(len(token_ids))
             required += self.blocks_for(len(token_ids)) - sum(
                 self.gpu.ref_counts[b] > 0 for b in hits
@@ -102,7 +103,8 @@ class BlockManager:
         Waiting sequences with the same tokens (a fresh prompt, before sampling forks it)
         share one table. With ``max_new_tokens`` only that many tokens past the cached
         prefix are mapped (the first chunk of a prompt computed in chunks; see
-        ``map_chunk``). Mutates the GPU pool and sets each sequence's
+        ``map_chunk``). A prompt still to be scored takes no cached block: its positions'
+        logits are needed. Mutates the GPU pool and sets each sequence's
         ``num_computed_tokens``.
 
         Returns:
@@ -110,6 +112,7 @@ class BlockManager:
         """
         tables: dict[tuple[int, ...], tuple[list[BlockId], int, int, list[BlockHash]]] = {}
         num_cached = 0
+        reuse = not group.needs_prompt_logprobs
         for seq in group.get_seqs(SequenceStatus.WAITING):
             token_ids = seq.get_token_ids()
             key = tuple(token_ids)
@@ -117,7 +120,7 @@ class BlockManager:
                 for block_id in tables[key][0]:
                     self.gpu.incref(block_id)
             else:
-                tables[key] = self._allocate_table(token_ids, max_new_tokens)
+                tables[key] = self._allocate_table(token_ids, max_new_tokens, reuse)
                 num_cached += tables[key][1]
             table, seq.num_computed_tokens, num_slots, hashes = tables[key]
             self.block_tables[seq.seq_id] = list(table)
@@ -126,11 +129,12 @@ class BlockManager:
         return num_cached
 
     def _allocate_table(
-        self, token_ids: list[int], max_new_tokens: int | None
+        self, token_ids: list[int], max_new_tokens: int | None, reuse: bool
     ) -> tuple[list[BlockId], int, int, list[BlockHash]]:
-        """A new table for these tokens, how many leading tokens it found computed, how
-        many slots it maps, and the hashes of the full blocks among them."""
-        hits = self._reusable_prefix(token_ids)
+        """A new table for these tokens, how many leading tokens it found computed (none
+        unless ``reuse``), how many slots it maps, and the hashes of the full blocks among
+        them."""
+        hits = self._reusable_prefix(token_ids) if reuse else []
         for block_id in hits:
             self.gpu.incref(block_id)
         num_hit_tokens = len(hits) * self.block_size
@@ -144,7 +148,7 @@ class BlockManager:
         hashes = self._chain_hashes(token_ids[:num_slots])
         for index, block_hash in enumerate(hashes):
             self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse:
             self.counters.prefix_cache_queries += len(token_ids)
             self.counters.prefix_cache_hits += num_hit_tokens
         return table, num_hit_tokens, num_slots, hashes

@@ -19,6 +19,8 @@ def beam_score(seq: Sequence, length_penalty: float) -> float:
 def num_samples(group: SequenceGroup) -> int:
     """Tokens (or candidates) the executor must draw for each of the group's sequences."""
     params = group.sampling_params
+    if params.max_tokens == 0:  # the prompt is only scored
+        return 0
     if params.use_beam_search:
         return 2 * params.width
     first_step = len(group.seqs) == 1 and not group.seqs[0].output_token_ids
@@ -51,15 +53,29 @@ class OutputProcessor:
         for scheduled in out.scheduled:
             group = scheduled.group
             running = group.get_seqs(SequenceStatus.RUNNING)
+            if group.needs_prompt_logprobs:  # one sequence: the prompt is not forked yet
+                scored = samples[running[0].seq_id].prompt_logprobs
+                group.add_prompt_logprobs(running[0].num_computed_tokens + 1, scored)
             for seq in running:
                 seq.num_computed_tokens = min(self.block_manager.num_slots(seq), seq.get_len())
             if any(seq.num_computed_tokens < seq.get_len() for seq in running):
                 continue  # a prompt chunk: nothing was drawn
-            if group.sampling_params.use_beam_search:
+            if group.sampling_params.max_tokens == 0:
+                self._finish_unsampled(group)
+            elif group.sampling_params.use_beam_search:
                 self._process_beams(group, samples)
             else:
                 self._process_samples(group, samples)
         return self.scheduler.free_finished()
+
+    def _finish_unsampled(self, group: SequenceGroup) -> None:
+        """max_tokens 0: the prompt was scored, and each of the ``width`` outputs ends empty."""
+        parent = group.seqs[0]
+        for _ in range(group.sampling_params.width - 1):
+            child = parent.fork(next(self._seq_ids))  # owns no blocks: it will never run
+            child.status = SequenceStatus.FINISHED_LENGTH
+            group.seqs.append(child)
+        self.finish(parent, SequenceStatus.FINISHED_LENGTH)
 
     def _process_samples(self, group: SequenceGroup, samples: dict[int, SeqOutput]) -> None:
         for parent in group.get_seqs(SequenceStatus.RUNNING):

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import PromptLogprob
 
 
 class SequenceStatus(enum.IntEnum):
@@ -97,10 +98,27 @@ class SequenceGroup:
     arrival_time: float
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     num_preemptions: int = 0
+    # How the model scored prompt tokens 1, 2, ... (token 0 has nothing before it), when
+    # the request asked for prompt_logprobs; kept across preemptions, never scored twice.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
         return len(self.seqs[0].prompt_token_ids) if self.seqs else 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens wait to be scored: their positions must then be computed,
+        not taken from the prefix cache, which holds K/V but no logits."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
+
+    def add_prompt_logprobs(self, first: int, scored: list[PromptLogprob]) -> None:
+        """Keep what ``scored`` (prompt tokens ``first``, ``first + 1``, ...) adds to the
+        tokens scored so far: a prompt recomputed after a preemption is scored again."""
+        have = len(self.prompt_logprobs) + 1  # the first position not scored yet
+        assert first <= have, f"prompt tokens {have}..{first - 1} of {self.request_id} unscored"
+        self.prompt_logprobs += scored[have - first :]
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

@@ -406,7 +406,11 @@ class LLMEngine:
         stats.num_prompt_tokens += sum(
             len(s.new_token_ids) for s in step.seqs if len(s.new_token_ids) > 1
         )
-        stats.num_prompt_chunks += sum(s.num_samples == 0 for s in step.seqs)
+        stats.num_prompt_chunks += sum(
+            self.scheduler.block_manager.num_slots(seq) < seq.get_len()
+            for scheduled in out.scheduled
+            for seq in scheduled.group.get_seqs(SequenceStatus.RUNNING)
+        )
         for _, mode in out.preempted:
             stats.preemptions[mode.value] = stats.preemptions.get(mode.value, 0) + 1
 
@@ -431,6 +435,7 @@ class LLMEngine:
         recovery rebuilds the pending step with it, equal to the step that was sent."""
         params = group.sampling_params
         history = params.has_penalties
+        scoring = group.needs_prompt_logprobs
         num_slots = self.scheduler.block_manager.num_slots(seq)
         end = min(num_slots, seq.get_len())  # short of the length: a prompt chunk
         return SeqStep(
@@ -441,7 +446,7 @@ class LLMEngine:
             sampling_params=params,
             num_samples=num_samples(group) if end == seq.get_len() else 0,
             sample_index=index,
-            prompt_token_ids=seq.prompt_token_ids if history else [],
+            prompt_token_ids=seq.prompt_token_ids if history or scoring else [],
             output_token_ids=list(seq.output_token_ids) if history else [],  # a copy: grows
             num_steps=max(1, num_slots - seq.get_len() + 1),  # slots mapped ahead: see Scheduler
         )
@@ -450,7 +455,7 @@ class LLMEngine:
 def _one_step_at_a_time(step: ExecuteStep, result: StepResult) -> Iterator[dict[int, SeqOutput]]:
     """The samples of each decode step of ``result`` by seq_id, in order: sequences run
     ``num_steps`` in a row answer one token per step, applied (and stopped) as if each had
-    come back on its own."""
+    come back on its own; prompt tokens scored go with the first."""
     outputs = result.outputs
     if max((s.num_steps for s in step.seqs), default=1) == 1:
         yield {o.seq_id: o for o in outputs}
@@ -458,7 +463,11 @@ def _one_step_at_a_time(step: ExecuteStep, result: StepResult) -> Iterator[dict[
     for i in range(max(len(o.token_ids) for o in outputs)):  # fewer when it ended early
         yield {
             o.seq_id: SeqOutput(
-                o.seq_id, o.token_ids[i : i + 1], o.logprobs[i : i + 1], o.top_logprobs[i : i + 1]
+                o.seq_id,
+                o.token_ids[i : i + 1],
+                o.logprobs[i : i + 1],
+                o.top_logprobs[i : i + 1],
+                o.prompt_logprobs if i == 0 else [],
             )
             for o in outputs
             if i < len(o.token_ids)

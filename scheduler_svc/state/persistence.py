@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockPairs, ExecuteStep
+from pagedserve.step import BlockPairs, ExecuteStep, PromptLogprob
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 SCHEMA_VERSION = 1
@@ -59,6 +59,15 @@ def _seq_from_dict(data: dict[str, Any]) -> Sequence:
     return Sequence(**data)
 
 
+def prompt_logprobs_to_list(scored: list[PromptLogprob]) -> list[list[Any]]:
+    """``[logprob, rank, [[token_id, logprob], ...]]`` per token: stored groups and events."""
+    return [[p.logprob, p.rank, list(p.top_logprobs.items())] for p in scored]
+
+
+def prompt_logprobs_from_list(data: list[list[Any]]) -> list[PromptLogprob]:
+    return [PromptLogprob(lp, rank, dict(map(tuple, top))) for lp, rank, top in data]
+
+
 def group_to_json(
     group: SequenceGroup, queue: str, block_tables: dict[int, tuple[list[int], int]]
 ) -> str:
@@ -72,6 +81,7 @@ def group_to_json(
             "queue": queue,
             "seqs": [_seq_to_dict(seq) for seq in group.seqs],
             "block_tables": {str(k): list(v) for k, v in block_tables.items()},
+            "prompt_logprobs": prompt_logprobs_to_list(group.prompt_logprobs),
         }
     ).decode()
 
@@ -88,6 +98,7 @@ def group_from_json(text: str) -> RestoredGroup:
         data["arrival_time"],
         params_from_dict(data["sampling_params"]),
         data["num_preemptions"],
+        prompt_logprobs_from_list(data.get("prompt_logprobs", [])),
     )
     tables = {int(k): (v[0], v[1]) for k, v in data["block_tables"].items()}
     restored = RestoredGroup(group, data["queue"], tables)
@@ -105,6 +116,7 @@ class StoredMark:
     num_tops: list[int]
     texts: list[str]
     tables: list[list[int]]  # [] for a sequence without blocks
+    num_prompt_logprobs: int = 0
     num_deltas: int = 0
 
 
@@ -119,6 +131,7 @@ def stored_mark(
         [len(seq.output_top_logprobs) for seq in seqs],
         [seq.output_text for seq in seqs],
         [tables[seq.seq_id][0] if seq.seq_id in tables else [] for seq in seqs],
+        len(group.prompt_logprobs),
         num_deltas,
     )
 
@@ -157,14 +170,17 @@ def group_delta(
                 num_slots,
             ]
         )
-    return orjson.dumps(
-        {"queue": queue, "num_preemptions": group.num_preemptions, "seqs": seqs}
-    ).decode()
+    delta = {"queue": queue, "num_preemptions": group.num_preemptions, "seqs": seqs}
+    if len(group.prompt_logprobs) > mark.num_prompt_logprobs:
+        scored = group.prompt_logprobs[mark.num_prompt_logprobs :]
+        delta["prompt_logprobs"] = prompt_logprobs_to_list(scored)
+    return orjson.dumps(delta).decode()
 
 
 def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
     restored.queue = delta["queue"]
     restored.group.num_preemptions = delta["num_preemptions"]
+    restored.group.prompt_logprobs += prompt_logprobs_from_list(delta.get("prompt_logprobs", []))
     by_id = {seq.seq_id: seq for seq in restored.group.seqs}
     for entry in delta["seqs"]:  # the fields in group_delta's order
         seq_id, status, computed, cum, prefix, read, ids, lps, tops, text, blocks, slots = entry

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from pagedserve.step import PromptLogprob
 from scheduler_svc.core.sequence import Sequence, SequenceGroup
+from scheduler_svc.state.persistence import prompt_logprobs_from_list, prompt_logprobs_to_list
 
 
 class EngineDeadError(RuntimeError):
@@ -55,6 +57,8 @@ class RequestDelta:
     finished: bool = False
     error: str | None = None  # why the request ended without a result (with finished)
     error_code: str | None = None  # that reason for clients: "deadline_exceeded", ...
+    # Prompt tokens 1, 2, ... as scored, in the first event of a request that asked.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     def to_json(self) -> str:
         # By field names: dataclasses.asdict deep-copies, and this runs for every request
@@ -65,6 +69,8 @@ class RequestDelta:
             data["top_logprobs"] = [list(top.items()) for top in out.top_logprobs]
             outputs.append(data)
         data = {name: getattr(self, name) for name in _REQUEST_DELTA_FIELDS}
+        if self.prompt_logprobs is not None:
+            data["prompt_logprobs"] = prompt_logprobs_to_list(self.prompt_logprobs)
         return orjson.dumps(data | {"outputs": outputs}).decode()
 
     @classmethod
@@ -74,12 +80,14 @@ class RequestDelta:
         for out in data.pop("outputs"):
             out["top_logprobs"] = [dict(map(tuple, top)) for top in out["top_logprobs"]]
             outputs.append(SeqDelta(**out))
+        if data.get("prompt_logprobs") is not None:
+            data["prompt_logprobs"] = prompt_logprobs_from_list(data["prompt_logprobs"])
         return cls(**data, outputs=outputs)
 
 
 _SEQ_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(SeqDelta))
 _REQUEST_DELTA_FIELDS = tuple(
-    f.name for f in dataclasses.fields(RequestDelta) if f.name != "outputs"
+    f.name for f in dataclasses.fields(RequestDelta) if f.name not in ("outputs", "prompt_logprobs")
 )
 
 
@@ -137,6 +145,8 @@ class StreamTracker:
         if not out.outputs and not finished:
             return None
         out.event = self._events.get(group.request_id, 0) + 1
+        if out.event == 1 and group.sampling_params.prompt_logprobs is not None:
+            out.prompt_logprobs = group.prompt_logprobs  # scored whole before any output
         if finished:
             self._events.pop(group.request_id, None)
         else:

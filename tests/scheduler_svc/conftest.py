@@ -48,7 +48,8 @@ def journaled_engine(
     tiny_executor: tuple[Executor, ModelInfo], tiny_chat_model_dir: Path
 ) -> Callable[..., LLMEngine]:
     """Builds an engine on the tiny executor that commits every step to the given store,
-    running ``num_decode_steps`` decode steps per executor call when it can."""
+    running ``num_decode_steps`` decode steps per executor call when it can, and prompts
+    in chunks past ``max_num_batched_tokens``."""
     ex, info = tiny_executor
     cache = CacheConfig(
         block_size=info.block_size,
@@ -57,9 +58,11 @@ def journaled_engine(
     )
     detokenizer = Detokenizer(load_tokenizer(tiny_chat_model_dir))
 
-    def build(store: StateStore, num_decode_steps: int = 4) -> LLMEngine:
+    def build(
+        store: StateStore, num_decode_steps: int = 4, max_num_batched_tokens: int = 8192
+    ) -> LLMEngine:
         sched = SchedulerConfig(
-            max_num_batched_tokens=8192,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=info.max_model_len,
             num_decode_steps=num_decode_steps,
         )

@@ -8,17 +8,19 @@ from collections.abc import Callable
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteStep, StepResult
+from pagedserve.step import ExecuteStep, PromptLogprob, StepResult
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor
 from scheduler_svc.state.journal import COMPACT_AFTER
 from scheduler_svc.state.persistence import group_from_json
 from scheduler_svc.state.state_store import InMemoryStateStore, StateStore, StepCommit
+from scheduler_svc.state.streams import RequestDelta
 
 REQUESTS = {
     "greedy": SamplingParams(temperature=0, max_tokens=COMPACT_AFTER + 8, ignore_eos=True),
     "samples": SamplingParams(n=2, temperature=0.9, seed=1, max_tokens=12, logprobs=2),
     "beams": SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=6),
     "stop": SamplingParams(temperature=0.9, seed=2, max_tokens=16, stop=("e",)),
+    "scored": SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
 }
 
 
@@ -109,6 +111,47 @@ def test_a_new_leader_resumes_from_deltas(
     assert run(store, new=True, steps=kill_after) == {}
     assert any("\n" in text for text in store.load().groups.values())
     assert run(store, new=False) == reference
+
+
+@pytest.mark.parametrize("kv_lost", [False, True], ids=["replayed", "recomputed"])
+@pytest.mark.parametrize("kill_after", [1, 2, 3, 4])
+def test_prompt_logprobs_survive_a_new_leader(
+    journaled_engine: Callable[..., LLMEngine], store: StateStore, kill_after: int, kv_lost: bool
+) -> None:
+    """A prompt scored in three chunks, its leader gone after any step: the step in flight
+    is replayed or, when the executor's cache is gone too, the prompt is computed (and
+    scored) again from its start. Either way the stream in each store carries every prompt
+    token's score once, in its first event, equal to an uninterrupted run's."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    prompt = list(range(100, 140))
+
+    def run(store: StateStore, new: bool, steps: int = -1) -> LLMEngine:
+        engine = journaled_engine(store, 1, max_num_batched_tokens=16)
+        if kv_lost and not new:
+            engine.executor_instance = "a restarted executor"
+        engine.recover()
+        if new:
+            engine.add_request("scored", prompt, params)
+        while engine.has_unfinished() and steps != 0:
+            engine.step()
+            steps -= 1
+        engine.flush()
+        return engine
+
+    def prompt_scores(store: StateStore) -> list[list[PromptLogprob] | None]:
+        events = [RequestDelta.from_json(text) for _, text in store.read_events("scored")]
+        assert events[-1].finished
+        return [event.prompt_logprobs for event in events]
+
+    reference = InMemoryStateStore()
+    run(reference, new=True)
+    first, *rest = prompt_scores(reference)
+    assert len(first) == len(prompt) - 1 and rest == [None] * len(rest)
+    run(store, new=True, steps=kill_after)
+    successor = run(store, new=False)
+    if kv_lost:  # the whole prompt computed again
+        assert successor.stats.num_prompt_tokens >= len(prompt)
+    assert prompt_scores(store) == [first, *rest]
 
 
 class _Sent:

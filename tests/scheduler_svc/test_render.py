@@ -28,7 +28,7 @@ class Letters:
 
 def renderer(chat: bool) -> Renderer:
     parsed = ParsedRequest("m", ["x"], None, SamplingParams(), False, 2, None, False)
-    return Renderer("m", Letters(), parsed, "r-1", 3, chat)
+    return Renderer("m", Letters(), parsed, "r-1", [[0, 1, 2]], chat)
 
 
 @pytest.mark.parametrize("chat", [False, True])
