@@ -32,7 +32,8 @@ class SeqStep:
     # Seeds a per-sequence generator so a seeded request draws the same tokens whatever
     # else shares its batch: (seed, sample index, output length) fixes every draw.
     sample_index: int = 0
-    # Only sent when a penalty needs them: the full prompt and the output so far.
+    # Only sent when a penalty needs them: the full prompt; when a penalty or a grammar
+    # needs it: the output so far.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_steps: int = 1
@@ -52,7 +53,9 @@ class SeqStep:
             sample_index=self.sample_index,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=(
-                [*self.output_token_ids, token_id] if self.sampling_params.has_penalties else []
+                [*self.output_token_ids, token_id]
+                if self.sampling_params.needs_output_tokens
+                else []
             ),
             num_steps=self.num_steps - 1,
         )
@@ -80,6 +83,8 @@ class SeqOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Left out of the step, why: its grammar does not compile or refuses its output.
+    error: str = ""
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import fields
 
+from pagedserve.grammar import Grammar
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParameters:
         seed=p.seed,
         logprobs=p.logprobs,
         length_penalty=p.length_penalty,
+        grammar=pb.Grammar(kind=p.grammar.kind, spec=p.grammar.spec) if p.grammar else None,
     )
 
 
@@ -62,6 +64,7 @@ def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
         seed=m.seed if m.HasField("seed") else None,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         length_penalty=m.length_penalty,
+        grammar=Grammar(m.grammar.kind, m.grammar.spec) if m.HasField("grammar") else None,
     )
 
 
@@ -143,6 +146,7 @@ def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
             token_ids=o.token_ids,
             logprobs=o.logprobs,
             top_logprobs=[_top_to_pb(top) for top in o.top_logprobs],
+            error=o.error,
         )
         for o in result.outputs
     ]
@@ -156,6 +160,7 @@ def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
             token_ids=list(o.token_ids),
             logprobs=list(o.logprobs),
             top_logprobs=[{e.token_id: e.logprob for e in top.entries} for top in o.top_logprobs],
+            error=o.error,
         )
         for o in m.outputs
     ]

@@ -10,6 +10,7 @@ from typing import Any
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
+from scheduler_svc.api.structured import parse_structured
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
 # Request ids name Redis keys, log lines and the X-Request-Id response header: visible ASCII.
@@ -135,6 +136,7 @@ def parse_completion(
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
             length_penalty=_number(data, "length_penalty", 1.0),
+            grammar=parse_structured(data),
             priority=_get(data, "priority", (int,), 0),
             timeout=_timeout(data, timeout_header),
         )
@@ -244,14 +246,9 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
 
 

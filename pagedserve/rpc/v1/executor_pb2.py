@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pagedserve/rpc/v1/executor.proto\x12\x11pagedserve.rpc.v1\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x12\n\x10InitCacheRequest\"\xd2\x01\n\x11InitCacheResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x13\n\x0binstance_id\x18\x08 \x01(\tB\x0f\n\r_eos_token_id\"\x85\x03\n\x12SamplingParameters\x12\t\n\x01n\x18\x01 \x01(\r\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x03 \x01(\x08\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x12\n\nmax_tokens\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x11\n\x04seed\x18\x0e \x01(\x03H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0elength_penalty\x18\x10 \x01(\x01\x42\n\n\x08_best_ofB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x99\x02\n\x0cSequenceStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12>\n\x0fsampling_params\x18\x05 \x01(\x0b\x32%.pagedserve.rpc.v1.SamplingParameters\x12\x13\n\x0bnum_samples\x18\x06 \x01(\r\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\x12\x11\n\tnum_steps\x18\n \x01(\r\"\x88\x02\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12-\n\x04seqs\x18\x03 \x03(\x0b\x32\x1f.pagedserve.rpc.v1.SequenceStep\x12\x38\n\x12\x62locks_to_swap_out\x18\x04 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\x12\x37\n\x11\x62locks_to_swap_in\x18\x05 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\x12\x34\n\x0e\x62locks_to_copy\x18\x06 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"?\n\x0bTopLogprobs\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.pagedserve.rpc.v1.TokenLogprob\"{\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.pagedserve.rpc.v1.TopLogprobs\"V\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x07outputs\x18\x02 \x03(\x0b\x32!.pagedserve.rpc.v1.SequenceOutput\"\"\n\x0f\x45ndStepsRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"\x12\n\x10\x45ndStepsResponse\"I\n\x11\x43opyBlocksRequest\x12\x34\n\x0e\x62locks_to_copy\x18\x01 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\"(\n\x12\x43opyBlocksResponse\x12\x12\n\nnum_copied\x18\x01 \x01(\r\"\x86\x01\n\x11SwapBlocksRequest\x12\x38\n\x12\x62locks_to_swap_out\x18\x01 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\x12\x37\n\x11\x62locks_to_swap_in\x18\x02 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\"E\n\x12SwapBlocksResponse\x12\x17\n\x0fnum_swapped_out\x18\x01 \x01(\r\x12\x16\n\x0enum_swapped_in\x18\x02 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xf5\x02\n\x10GetStatsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x05 \x01(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1a\n\x12num_replayed_steps\x18\x07 \x01(\x04\x12\x19\n\x0clast_step_id\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x19\n\x11last_step_seconds\x18\n \x01(\x01\x12\x1a\n\x12total_step_seconds\x18\x0b \x01(\x01\x12\x1e\n\x16num_blocks_swapped_out\x18\x0c \x01(\x04\x12\x1d\n\x15num_blocks_swapped_in\x18\r \x01(\x04\x12\x19\n\x11num_blocks_copied\x18\x0e \x01(\x04\x42\x0f\n\r_last_step_id2\x94\x04\n\x08\x45xecutor\x12V\n\tInitCache\x12#.pagedserve.rpc.v1.InitCacheRequest\x1a$.pagedserve.rpc.v1.InitCacheResponse\x12P\n\x07\x45xecute\x12!.pagedserve.rpc.v1.ExecuteRequest\x1a\".pagedserve.rpc.v1.ExecuteResponse\x12S\n\x08\x45ndSteps\x12\".pagedserve.rpc.v1.EndStepsRequest\x1a#.pagedserve.rpc.v1.EndStepsResponse\x12Y\n\nCopyBlocks\x12$.pagedserve.rpc.v1.CopyBlocksRequest\x1a%.pagedserve.rpc.v1.CopyBlocksResponse\x12Y\n\nSwapBlocks\x12$.pagedserve.rpc.v1.SwapBlocksRequest\x1a%.pagedserve.rpc.v1.SwapBlocksResponse\x12S\n\x08GetStats\x12\".pagedserve.rpc.v1.GetStatsRequest\x1a#.pagedserve.rpc.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pagedserve/rpc/v1/executor.proto\x12\x11pagedserve.rpc.v1\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x12\n\x10InitCacheRequest\"\xd2\x01\n\x11InitCacheResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x13\n\x0binstance_id\x18\x08 \x01(\tB\x0f\n\r_eos_token_id\"\xb2\x03\n\x12SamplingParameters\x12\t\n\x01n\x18\x01 \x01(\r\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x03 \x01(\x08\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x12\n\nmax_tokens\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x11\n\x04seed\x18\x0e \x01(\x03H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0elength_penalty\x18\x10 \x01(\x01\x12+\n\x07grammar\x18\x11 \x01(\x0b\x32\x1a.pagedserve.rpc.v1.GrammarB\n\n\x08_best_ofB\x07\n\x05_seedB\x0b\n\t_logprobs\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x99\x02\n\x0cSequenceStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12>\n\x0fsampling_params\x18\x05 \x01(\x0b\x32%.pagedserve.rpc.v1.SamplingParameters\x12\x13\n\x0bnum_samples\x18\x06 \x01(\r\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\x12\x11\n\tnum_steps\x18\n \x01(\r\"\x88\x02\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12-\n\x04seqs\x18\x03 \x03(\x0b\x32\x1f.pagedserve.rpc.v1.SequenceStep\x12\x38\n\x12\x62locks_to_swap_out\x18\x04 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\x12\x37\n\x11\x62locks_to_swap_in\x18\x05 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\x12\x34\n\x0e\x62locks_to_copy\x18\x06 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"?\n\x0bTopLogprobs\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.pagedserve.rpc.v1.TokenLogprob\"\x8a\x01\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.pagedserve.rpc.v1.TopLogprobs\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"V\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x07outputs\x18\x02 \x03(\x0b\x32!.pagedserve.rpc.v1.SequenceOutput\"\"\n\x0f\x45ndStepsRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"\x12\n\x10\x45ndStepsResponse\"I\n\x11\x43opyBlocksRequest\x12\x34\n\x0e\x62locks_to_copy\x18\x01 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\"(\n\x12\x43opyBlocksResponse\x12\x12\n\nnum_copied\x18\x01 \x01(\r\"\x86\x01\n\x11SwapBlocksRequest\x12\x38\n\x12\x62locks_to_swap_out\x18\x01 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\x12\x37\n\x11\x62locks_to_swap_in\x18\x02 \x03(\x0b\x32\x1c.pagedserve.rpc.v1.BlockPair\"E\n\x12SwapBlocksResponse\x12\x17\n\x0fnum_swapped_out\x18\x01 \x01(\r\x12\x16\n\x0enum_swapped_in\x18\x02 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xf5\x02\n\x10GetStatsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x05 \x01(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1a\n\x12num_replayed_steps\x18\x07 \x01(\x04\x12\x19\n\x0clast_step_id\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x19\n\x11last_step_seconds\x18\n \x01(\x01\x12\x1a\n\x12total_step_seconds\x18\x0b \x01(\x01\x12\x1e\n\x16num_blocks_swapped_out\x18\x0c \x01(\x04\x12\x1d\n\x15num_blocks_swapped_in\x18\r \x01(\x04\x12\x19\n\x11num_blocks_copied\x18\x0e \x01(\x04\x42\x0f\n\r_last_step_id2\x94\x04\n\x08\x45xecutor\x12V\n\tInitCache\x12#.pagedserve.rpc.v1.InitCacheRequest\x1a$.pagedserve.rpc.v1.InitCacheResponse\x12P\n\x07\x45xecute\x12!.pagedserve.rpc.v1.ExecuteRequest\x1a\".pagedserve.rpc.v1.ExecuteResponse\x12S\n\x08\x45ndSteps\x12\".pagedserve.rpc.v1.EndStepsRequest\x1a#.pagedserve.rpc.v1.EndStepsResponse\x12Y\n\nCopyBlocks\x12$.pagedserve.rpc.v1.CopyBlocksRequest\x1a%.pagedserve.rpc.v1.CopyBlocksResponse\x12Y\n\nSwapBlocks\x12$.pagedserve.rpc.v1.SwapBlocksRequest\x1a%.pagedserve.rpc.v1.SwapBlocksResponse\x12S\n\x08GetStats\x12\".pagedserve.rpc.v1.GetStatsRequest\x1a#.pagedserve.rpc.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,35 +38,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITCACHERESPONSE']._serialized_start=115
   _globals['_INITCACHERESPONSE']._serialized_end=325
   _globals['_SAMPLINGPARAMETERS']._serialized_start=328
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=717
-  _globals['_SEQUENCESTEP']._serialized_start=720
-  _globals['_SEQUENCESTEP']._serialized_end=1001
-  _globals['_EXECUTEREQUEST']._serialized_start=1004
-  _globals['_EXECUTEREQUEST']._serialized_end=1268
-  _globals['_TOKENLOGPROB']._serialized_start=1270
-  _globals['_TOKENLOGPROB']._serialized_end=1319
-  _globals['_TOPLOGPROBS']._serialized_start=1321
-  _globals['_TOPLOGPROBS']._serialized_end=1384
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1386
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1509
-  _globals['_EXECUTERESPONSE']._serialized_start=1511
-  _globals['_EXECUTERESPONSE']._serialized_end=1597
-  _globals['_ENDSTEPSREQUEST']._serialized_start=1599
-  _globals['_ENDSTEPSREQUEST']._serialized_end=1633
-  _globals['_ENDSTEPSRESPONSE']._serialized_start=1635
-  _globals['_ENDSTEPSRESPONSE']._serialized_end=1653
-  _globals['_COPYBLOCKSREQUEST']._serialized_start=1655
-  _globals['_COPYBLOCKSREQUEST']._serialized_end=1728
-  _globals['_COPYBLOCKSRESPONSE']._serialized_start=1730
-  _globals['_COPYBLOCKSRESPONSE']._serialized_end=1770
-  _globals['_SWAPBLOCKSREQUEST']._serialized_start=1773
-  _globals['_SWAPBLOCKSREQUEST']._serialized_end=1907
-  _globals['_SWAPBLOCKSRESPONSE']._serialized_start=1909
-  _globals['_SWAPBLOCKSRESPONSE']._serialized_end=1978
-  _globals['_GETSTATSREQUEST']._serialized_start=1980
-  _globals['_GETSTATSREQUEST']._serialized_end=1997
-  _globals['_GETSTATSRESPONSE']._serialized_start=2000
-  _globals['_GETSTATSRESPONSE']._serialized_end=2373
-  _globals['_EXECUTOR']._serialized_start=2376
-  _globals['_EXECUTOR']._serialized_end=2908
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=762
+  _globals['_GRAMMAR']._serialized_start=764
+  _globals['_GRAMMAR']._serialized_end=801
+  _globals['_SEQUENCESTEP']._serialized_start=804
+  _globals['_SEQUENCESTEP']._serialized_end=1085
+  _globals['_EXECUTEREQUEST']._serialized_start=1088
+  _globals['_EXECUTEREQUEST']._serialized_end=1352
+  _globals['_TOKENLOGPROB']._serialized_start=1354
+  _globals['_TOKENLOGPROB']._serialized_end=1403
+  _globals['_TOPLOGPROBS']._serialized_start=1405
+  _globals['_TOPLOGPROBS']._serialized_end=1468
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1471
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1609
+  _globals['_EXECUTERESPONSE']._serialized_start=1611
+  _globals['_EXECUTERESPONSE']._serialized_end=1697
+  _globals['_ENDSTEPSREQUEST']._serialized_start=1699
+  _globals['_ENDSTEPSREQUEST']._serialized_end=1733
+  _globals['_ENDSTEPSRESPONSE']._serialized_start=1735
+  _globals['_ENDSTEPSRESPONSE']._serialized_end=1753
+  _globals['_COPYBLOCKSREQUEST']._serialized_start=1755
+  _globals['_COPYBLOCKSREQUEST']._serialized_end=1828
+  _globals['_COPYBLOCKSRESPONSE']._serialized_start=1830
+  _globals['_COPYBLOCKSRESPONSE']._serialized_end=1870
+  _globals['_SWAPBLOCKSREQUEST']._serialized_start=1873
+  _globals['_SWAPBLOCKSREQUEST']._serialized_end=2007
+  _globals['_SWAPBLOCKSRESPONSE']._serialized_start=2009
+  _globals['_SWAPBLOCKSRESPONSE']._serialized_end=2078
+  _globals['_GETSTATSREQUEST']._serialized_start=2080
+  _globals['_GETSTATSREQUEST']._serialized_end=2097
+  _globals['_GETSTATSRESPONSE']._serialized_start=2100
+  _globals['_GETSTATSRESPONSE']._serialized_end=2473
+  _globals['_EXECUTOR']._serialized_start=2476
+  _globals['_EXECUTOR']._serialized_end=3008
 # @@protoc_insertion_point(module_scope)
