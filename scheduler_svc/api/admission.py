@@ -43,8 +43,11 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, parsed: ParsedRequest) -> l
     """Prompt token ids: chat messages through the chat template, text, or ids checked
     against the vocabulary."""
     if parsed.messages is not None:
+        messages, extra = parsed.messages, {}
+        if parsed.tools is not None:
+            messages, extra = parsed.tools.prompt(tokenizer, messages)
         encoded = tokenizer.apply_chat_template(
-            parsed.messages, add_generation_prompt=True, tokenize=True
+            messages, add_generation_prompt=True, tokenize=True, **extra
         )
         ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
     elif isinstance(parsed.prompt, str):

@@ -68,6 +68,12 @@ _KNOWN: tuple[tuple[type[Exception], int, str], ...] = (
 )
 
 
+def require(ok: bool, message: str, param: str) -> None:
+    """APIError(400) naming ``param`` unless ``ok``."""
+    if not ok:
+        raise APIError(400, message, param=param)
+
+
 _TYPES = {429: "rate_limit_error"}
 # A request the engine ended without a result: its timeout passed (504), the executor could
 # not use its grammar (400: the scheduler could not check it, see api/structured.py), else

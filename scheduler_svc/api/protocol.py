@@ -7,10 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.grammar import Grammar
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
+from scheduler_svc.api.errors import require as _check
 from scheduler_svc.api.structured import parse_structured
+from scheduler_svc.api.tools import ToolPlan, calls_as_text, parse_tools
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
 # Request ids name Redis keys, log lines and the X-Request-Id response header: visible ASCII.
@@ -29,6 +32,7 @@ class ParsedRequest:
     logprobs: int | None  # alternatives per token to return; None = no logprobs
     request_id: str | None
     include_usage: bool
+    tools: ToolPlan | None = None  # chat only; None also for tool_choice "none"
 
 
 def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -55,11 +59,6 @@ def _number(data: dict, name: str, default: float) -> float:
     return value
 
 
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise APIError(400, message, param=param)
-
-
 def parse_completion(
     data: dict[str, Any], config: ApiConfig, chat: bool, timeout_header: str | None = None
 ) -> ParsedRequest:
@@ -68,11 +67,13 @@ def parse_completion(
     _refuse_unsupported(data)
     model = _get(data, "model", (str,))
     _check(model is not None, "'model' is required", "model")
-    prompt, messages = None, None
+    prompt, messages, tools = None, None, None
     if chat:
         messages = _parse_messages(data)
+        tools = parse_tools(data)
     else:
         prompt = _parse_prompt(data)
+        _check(not data.get("tools"), "'tools' are for chat completions", "tools")
     n = _get(data, "n", (int,), 1)
     _check(1 <= n <= config.max_n, f"'n' must be in [1, {config.max_n}], got {n}", "n")
     best_of = _get(data, "best_of", (int,))
@@ -136,7 +137,7 @@ def parse_completion(
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
             length_penalty=_number(data, "length_penalty", 1.0),
-            grammar=parse_structured(data),
+            grammar=_grammar(data, tools),
             priority=_get(data, "priority", (int,), 0),
             timeout=_timeout(data, timeout_header),
         )
@@ -152,7 +153,20 @@ def parse_completion(
         logprobs,
         request_id,
         bool(stream_options.get("include_usage", False)),
+        tools,
     )
+
+
+def _grammar(data: dict, tools: ToolPlan | None) -> Grammar | None:
+    """The request's structured output, or the schema its forced tool call must match."""
+    grammar = parse_structured(data)
+    forced = tools.grammar() if tools is not None else None
+    _check(
+        grammar is None or forced is None,
+        "a forced tool call cannot be combined with a structured output",
+        "tool_choice",
+    )
+    return grammar or forced
 
 
 def _timeout(data: dict, header: str | None) -> float | None:
@@ -205,6 +219,9 @@ def _parse_messages(data: dict) -> list[dict[str, str]]:
     )
     parsed = []
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls") is not None:
+            text = calls_as_text(m["tool_calls"], f"messages[{i}].tool_calls")
+            m = m | {"content": text}  # an assistant's calls, as it wrote them
         _check(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
@@ -242,8 +259,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "echo": (None, False),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),

@@ -24,7 +24,7 @@ class Choice:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def add(self, out: SeqDelta) -> None:
+    def add(self, out: SeqDelta | Choice) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -102,6 +102,7 @@ class Renderer:
                 for i in range(self.parsed.params.n)
             ]
             yield _event(None, self._chunk(roles))
+        held = _HeldCalls(self) if self.parsed.tools is not None else None
         async for delta in deltas:
             for out in delta.outputs:
                 if resume is not None and (delta.event, out.index) <= resume:
@@ -110,8 +111,10 @@ class Renderer:
                 choice = Choice(
                     out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
                 )
-                chunk = self._chunk([self._choice(out.index, choice, False)])
-                yield _event(f"{delta.event}.{out.index}" if ids else None, chunk)
+                sent = held.delta(out.index, choice) if held else self._choice(out.index, choice)
+                if sent is not None:
+                    chunk = self._chunk([sent])
+                    yield _event(f"{delta.event}.{out.index}" if ids else None, chunk)
         if self.parsed.include_usage:
             yield _event(None, self._chunk([]) | {"usage": self._usage(completion_tokens)})
 
@@ -126,14 +129,26 @@ class Renderer:
             "choices": choices,
         }
 
-    def _choice(self, index: int, c: Choice, final: bool) -> dict[str, Any]:
+    def _choice(self, index: int, c: Choice, final: bool = False) -> dict[str, Any]:
         logprobs = self._logprobs(c) if self.parsed.logprobs is not None else None
         body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
         if not self.chat:
             return body | {"text": c.text}
-        if final:  # no refusals here: the field is there, null, as OpenAI's schema requires
-            return body | {"message": {"role": "assistant", "content": c.text, "refusal": None}}
-        return body | {"delta": {"content": c.text}}
+        if not final:
+            return body | {"delta": {"content": c.text}}
+        # No refusals here: the field is there, null, as OpenAI's schema requires.
+        message = {"role": "assistant", "content": c.text, "refusal": None}
+        calls = self.tool_calls(c)
+        if calls is not None:
+            message |= {"content": None, "tool_calls": calls}
+            body["finish_reason"] = "tool_calls"
+        return body | {"message": message}
+
+    def tool_calls(self, c: Choice) -> list[dict[str, Any]] | None:
+        """The finished choice's text as OpenAI's ``tool_calls``, when it is a call."""
+        if self.parsed.tools is None or c.finish_reason != "stop":
+            return None
+        return self.parsed.tools.calls(c.text)
 
     def _logprobs(self, c: Choice) -> dict[str, Any]:
         tokenizer = self.tokenizer
@@ -171,6 +186,38 @@ class Renderer:
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_len + completion_tokens,
         }
+
+
+class _HeldCalls:
+    """A stream's choices that may be tool calls are held back until they end, then sent
+    as one ``tool_calls`` delta (OpenAI's shape: the call's id, type, name and arguments,
+    ``finish_reason: "tool_calls"``). With ``tool_choice: "auto"`` a choice whose text
+    starts otherwise than a JSON object is an answer: what was held goes out as content,
+    and the rest streams as usual."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.held: dict[int, Choice] = {}
+        self.answers: set[int] = set()
+
+    def delta(self, index: int, c: Choice) -> dict[str, Any] | None:
+        """The chunk choice to send for ``c``, or None while it is held."""
+        if index in self.answers:
+            return self.renderer._choice(index, c)
+        held = self.held.setdefault(index, Choice())
+        held.add(c)
+        text = held.text.lstrip()
+        if self.renderer.parsed.tools.choice == "auto" and text and not text.startswith("{"):
+            self.answers.add(index)
+            return self.renderer._choice(index, self.held.pop(index))
+        if c.finish_reason is None:
+            return None
+        calls = self.renderer.tool_calls(self.held.pop(index))
+        if calls is None:
+            return self.renderer._choice(index, held)
+        call = {"index": 0, **calls[0]}
+        delta = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}
 
 
 def _event(event_id: str | None, payload: dict[str, Any]) -> str:

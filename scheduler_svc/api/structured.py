@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from pagedserve.grammar import Grammar, GrammarError, parse_grammar
-from scheduler_svc.api.errors import APIError
+from scheduler_svc.api.errors import APIError, require
 
 ANY_OBJECT = '{"type": "object"}'
 # vLLM's structured_outputs keys, each with the grammar it makes (see _from_vllm).
@@ -65,23 +65,23 @@ def parse_structured(data: dict[str, Any]) -> Grammar | None:
 def _from_response_format(value: Any) -> tuple[Grammar, str] | None:
     if value is None:
         return None
-    _require(isinstance(value, dict), "'response_format' must be an object", "response_format")
+    require(isinstance(value, dict), "'response_format' must be an object", "response_format")
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return Grammar("json_schema", ANY_OBJECT), "response_format"
-    _require(
+    require(
         kind == "json_schema",
         f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
         "response_format.type",
     )
     spec = value.get("json_schema")
     param = "response_format.json_schema"
-    _require(isinstance(spec, dict), f"'{param}' must be an object", param)
-    _require(isinstance(spec.get("name"), str), f"'{param}.name' must be a string", f"{param}.name")
+    require(isinstance(spec, dict), f"'{param}' must be an object", param)
+    require(isinstance(spec.get("name"), str), f"'{param}.name' must be a string", f"{param}.name")
     schema = spec.get("schema", {"type": "object"})
-    _require(isinstance(schema, dict), f"'{param}.schema' must be an object", f"{param}.schema")
+    require(isinstance(schema, dict), f"'{param}.schema' must be an object", f"{param}.schema")
     return Grammar("json_schema", json.dumps(schema)), f"{param}.schema"
 
 
@@ -89,15 +89,15 @@ def _from_vllm(value: Any) -> tuple[Grammar, str] | None:
     if value is None:
         return None
     param = "structured_outputs"
-    _require(isinstance(value, dict), f"'{param}' must be an object", param)
+    require(isinstance(value, dict), f"'{param}' must be an object", param)
     for key in value:
-        _require(
+        require(
             key in _VLLM_KINDS or key in _VLLM_HARMLESS,
             f"'{param}.{key}' is not supported; use one of {', '.join(_VLLM_KINDS)}",
             f"{param}.{key}",
         )
     kinds = [key for key in _VLLM_KINDS if value.get(key) is not None]
-    _require(len(kinds) == 1, f"'{param}' must hold exactly one of {', '.join(_VLLM_KINDS)}", param)
+    require(len(kinds) == 1, f"'{param}' must hold exactly one of {', '.join(_VLLM_KINDS)}", param)
     kind = kinds[0]
     if kind == "json_object":
         return Grammar("json_schema", ANY_OBJECT), f"{param}.json_object"
@@ -111,16 +111,16 @@ def _from_guided(name: str, value: Any) -> tuple[Grammar, str] | None:
 def _grammar_of(kind: str, value: Any, param: str) -> tuple[Grammar, str]:
     """vLLM's forms: a schema (object or JSON text), a regex, a choice list, an EBNF grammar."""
     if kind == "json":
-        _require(isinstance(value, dict | str), f"'{param}' must be a JSON schema", param)
+        require(isinstance(value, dict | str), f"'{param}' must be a JSON schema", param)
         return Grammar("json_schema", value if isinstance(value, str) else json.dumps(value)), param
     if kind == "choice":
-        _require(
+        require(
             isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
             f"'{param}' must be a non-empty list of non-empty strings",
             param,
         )
         return Grammar("ebnf", choice_grammar(value)), param
-    _require(isinstance(value, str) and value, f"'{param}' must be a non-empty string", param)
+    require(isinstance(value, str) and value, f"'{param}' must be a non-empty string", param)
     return Grammar("regex" if kind == "regex" else "ebnf", value), param
 
 
@@ -141,8 +141,3 @@ def _check_compiles(grammar: Grammar, param: str) -> None:
         raise APIError(400, f"'{param}' does not compile: {e}", param=param) from None
     except ImportError:
         pass
-
-
-def _require(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise APIError(400, message, param=param)

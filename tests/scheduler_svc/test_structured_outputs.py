@@ -195,3 +195,106 @@ def test_the_official_clients_parse_returns_the_pydantic_object(smollm2_server) 
     )
     ended = [c.message.content for c in objects.choices if c.finish_reason == "stop"]
     assert ended and all(isinstance(json.loads(text), dict) for text in ended)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+SUM = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["a", "b"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": SUM}},
+]
+PARAMETERS = {"weather": WEATHER, "add": SUM}
+
+
+def check_call(call: dict, names: set[str]) -> None:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] in names
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, PARAMETERS[call["function"]["name"]])
+
+
+def test_forced_tool_calls_always_validate_whole_and_streamed(guarded_server) -> None:
+    server = guarded_server
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice, names in (("required", {"weather", "add"}), (named, {"add"})):
+        body = chat(server, tools=TOOLS, tool_choice=choice, **SAMPLED)
+        for c in body["choices"]:
+            assert c["finish_reason"] == "tool_calls", c
+            assert c["message"]["content"] is None and len(c["message"]["tool_calls"]) == 1
+            check_call(c["message"]["tool_calls"][0], names)
+    body = {"model": server.model, "messages": MESSAGES, "tools": TOOLS, "stream": True}
+    calls, finishes = {}, {}
+    with server.client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json=body | {"tool_choice": "required"} | SAMPLED,
+        headers=AUTH,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    assert not c["delta"].get("content"), c  # a call is never sent as text
+                    for call in c["delta"].get("tool_calls") or []:
+                        calls[c["index"]] = call
+                    finishes[c["index"]] = c["finish_reason"] or finishes.get(c["index"])
+    assert sorted(calls) == [0, 1, 2, 3] and set(finishes.values()) == {"tool_calls"}
+    for call in calls.values():
+        check_call(call, {"weather", "add"})
+
+
+def test_the_official_client_reads_calls_and_sends_the_history_back(guarded_server) -> None:
+    """tool_calls through the openai client; its next request carries the assistant's call
+    (content null) and the tool's answer (role "tool"); "auto" lets the model answer in text
+    (the random model does not write a call) and "none" offers no tools."""
+    server = guarded_server
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=GUARD_KEY)
+    first = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=80
+    )
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    history = [*MESSAGES, message.model_dump(exclude_none=True)]
+    history.append({"role": "tool", "tool_call_id": call.id, "content": "21 degrees"})
+    for choice in ("auto", "none"):
+        answer = client.chat.completions.create(
+            model=server.model, messages=history, tools=TOOLS, tool_choice=choice, max_tokens=8
+        )
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert isinstance(answer.choices[0].message.content, str)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_a_400_naming_the_field(guarded_server, fields, param) -> None:
+    server = guarded_server
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 4, **fields}
+    r = server.client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = server.client.post(
+        "/v1/completions", json={"model": server.model, "prompt": "x", "tools": TOOLS}, headers=AUTH
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
