@@ -38,12 +38,13 @@ class GrammarMasks:
             tokenizer, vocab_size=vocab_size, stop_token_ids=[eos_token_id]
         )
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # Masks in the engine's layout, [ceil(vocab_size / 32)] int32 each.
+        self.eos_only = _pack([t == eos_token_id for t in range(vocab_size)], vocab_size)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)  # caches what it compiled
         # JSON is compact, so it never holds a raw control character; the engine's string
         # rule lets all but CR and LF through, which strict JSON parsers refuse.
         safe = [min(text, default=32) >= 32 for text in info.decoded_vocab]
-        self.json_safe = _pack(safe, vocab_size)  # [ceil(vocab_size / 32)] int32
+        self.json_safe = _pack(safe, vocab_size)
         self._matchers: OrderedDict[int, _Tracked] = OrderedDict()  # by seq_id, LRU
 
     def check(self, seqs: list[SeqStep]) -> dict[int, str]:
@@ -77,8 +78,7 @@ class GrammarMasks:
         for i in rows:
             matcher = self._matcher(seqs[i]).matcher
             if matcher.is_terminated():
-                bitmask[i] = 0
-                bitmask[i, self.eos_token_id // 32] = 1 << (self.eos_token_id % 32)
+                bitmask[i] = self.eos_only
             else:
                 matcher.fill_next_token_bitmask(bitmask, i)
                 if seqs[i].sampling_params.grammar.kind == "json_schema":
