@@ -12,7 +12,7 @@ from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
 from scheduler_svc.api.errors import require as _check
-from scheduler_svc.api.structured import parse_structured
+from scheduler_svc.api.structured import check_compiles, parse_structured
 from scheduler_svc.api.tools import ToolPlan, calls_as_text, parse_tools
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
@@ -161,6 +161,8 @@ def _grammar(data: dict, tools: ToolPlan | None) -> Grammar | None:
     """The request's structured output, or the schema its forced tool call must match."""
     grammar = parse_structured(data)
     forced = tools.grammar() if tools is not None else None
+    if forced is not None:
+        check_compiles(forced, "tools")
     _check(
         grammar is None or forced is None,
         "a forced tool call cannot be combined with a structured output",

@@ -21,13 +21,15 @@ _VLLM_HARMLESS = ("disable_any_whitespace", "disable_additional_properties")
 
 
 def wants_grammar(data: dict[str, Any]) -> bool:
-    """Whether the body asks for structured output in any spelling (cheap, unchecked)."""
+    """Whether the body may need the grammar engine: structured output in any spelling, or
+    tools (cheap, unchecked)."""
     response_format = data.get("response_format")
     asks_format = isinstance(response_format, dict) and response_format.get("type") != "text"
     return (
         asks_format
         or data.get("structured_outputs") is not None
         or any(data.get(name) is not None for name in _GUIDED)
+        or bool(data.get("tools"))  # a forced call has a grammar
     )
 
 
@@ -58,7 +60,7 @@ def parse_structured(data: dict[str, Any]) -> Grammar | None:
     if not found:
         return None
     _, (grammar, param) = found[0]
-    _check_compiles(grammar, param)
+    check_compiles(grammar, param)
     return grammar
 
 
@@ -130,7 +132,7 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _check_compiles(grammar: Grammar, param: str) -> None:
+def check_compiles(grammar: Grammar, param: str) -> None:
     """Parse the grammar as the executor will before compiling it against its vocabulary,
     so that a bad one is a 400 naming its field before the request is queued. A scheduler
     without the engine (its image has no torch, which the engine needs) leaves the check to

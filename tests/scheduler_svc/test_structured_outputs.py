@@ -286,6 +286,8 @@ def test_the_official_client_reads_calls_and_sends_the_history_back(guarded_serv
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
     ],
 )  # fmt: skip
