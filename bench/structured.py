@@ -5,7 +5,7 @@ free and once constrained by a JSON schema, all sent at once; output tokens/s of
 Every request writes exactly ``--max-tokens`` tokens (``ignore_eos``), and the schema (a
 list of exactly 40 records) is longer than that, so its grammar masks every one of them, so the
 two runs differ only by the masking: the matcher's work per token and the mask's pass over
-the logits.
+the logits. That work alone is also timed in process, per step of as many rows.
 
     python bench/structured.py --num-requests 16 --max-tokens 128 \\
         --json bench/results/structured.json
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,38 @@ async def run(url: str, num_requests: int, max_tokens: int, constrained: bool) -
     }
 
 
+def mask_cost(num_seqs: int, num_steps: int) -> dict[str, Any]:
+    """In process, the executor's grammar work alone for one step of ``num_seqs`` rows of
+    the same schema on the default model's vocabulary: the mask (matcher, bitmask, applied
+    to the logits) and advancing the matchers by the drawn tokens, per step."""
+    import torch
+
+    from executor_svc.grammar import GrammarMasks
+    from pagedserve.grammar import Grammar
+    from pagedserve.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.step import SeqOutput, SeqStep
+
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    masks = GrammarMasks(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    params = SamplingParams(grammar=Grammar("json_schema", json.dumps(SCHEMA)))
+    seqs = [SeqStep(i, [1], 1, [0], params) for i in range(num_seqs)]
+    masks.check(seqs)  # compiles
+    generator = torch.Generator().manual_seed(0)
+    spent = 0.0
+    for _ in range(num_steps):
+        logits = torch.randn(num_seqs, len(tokenizer), generator=generator)
+        start = time.perf_counter()
+        masks.mask(logits, seqs)
+        drawn = logits.argmax(dim=-1).tolist()
+        masks.accept(
+            seqs, [SeqOutput(s.seq_id, [t], [0.0]) for s, t in zip(seqs, drawn, strict=True)]
+        )
+        spent += time.perf_counter() - start
+        seqs = [s.advance(t) for s, t in zip(seqs, drawn, strict=True)]
+    return {"rows": num_seqs, "steps": num_steps, "ms_per_step": round(spent / num_steps * 1e3, 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=16)
@@ -110,6 +143,8 @@ def main() -> int:
         rates = [r["output_tok_s"] for r in runs if r["mode"] == mode]
         summary.append({"mode": mode, "output_tok_s_mean": round(sum(rates) / len(rates), 2)})
     ratio = summary[1]["output_tok_s_mean"] / summary[0]["output_tok_s_mean"]
+    mask = mask_cost(args.num_requests, args.max_tokens)
+    print(f"grammar work per step, {mask['rows']} rows in process: {mask['ms_per_step']} ms")
     print_table(
         ["mode", "requests", "output tokens", "wall s", "output tok/s"],
         [
@@ -119,7 +154,8 @@ def main() -> int:
         title=f"structured outputs: json_schema / free = {ratio:.3f}",
     )
     if args.json:
-        write_json(args.json, vars(args), {"runs": runs, "summary": summary, "ratio": ratio})
+        body = {"runs": runs, "summary": summary, "ratio": ratio, "mask_cost": mask}
+        write_json(args.json, vars(args), body)
     return 0
 
 
