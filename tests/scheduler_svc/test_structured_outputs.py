@@ -1,5 +1,6 @@
-"""Structured outputs over real servers: every output of a JSON schema, a regex or a choice
-list matches it, sampled (n = 4, temperature 1) and streamed, whatever the model would say.
+"""Structured outputs and tool calls over real servers: every output of a JSON schema, a
+regex or a choice list matches it, and every forced tool call's arguments validate, sampled
+(n = 4, temperature 1) and streamed, whatever the model would say.
 
 Most tests run on the shared guarded server, whose tiny random model writes noise: only the
 grammar's mask can make its output valid. The default model (SmolLM2-135M) gets one server
