@@ -48,6 +48,7 @@ bench: install
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
 		--json $(RES)/routing_chat_prefix.json
 	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
+	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 --json $(RES)/structured.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
 

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
 
 from executor_svc import host_memory
 from executor_svc.cache_engine import CacheEngine, CacheShape
+from executor_svc.grammar import GrammarMasks
 from executor_svc.model_runner import ModelRunner
 from executor_svc.parallel import Shard, check_divisible, pick_device
 from executor_svc.sampler import Sampler
 from executor_svc.weights import load_model
 from executor_svc.workers import WorkerGroup
-from pagedserve.model_files import load_config, resolve_model
+from pagedserve.model_files import load_config, load_tokenizer, resolve_model
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import ExecutorConfig
 from pagedserve.step import BlockPairs, ExecuteStep, SeqOutput, SeqStep, StepResult
@@ -87,8 +89,12 @@ class Executor:
         self.cache = CacheEngine(shape, num_gpu_blocks, num_cpu_blocks, self.device)
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()  # after the pools, which keep their own mappings
-        sampler = Sampler() if self.shard is None or self.shard.rank == 0 else _NoSampler()
-        self.runner = ModelRunner(self.model, self.cache, sampler, self.device, self.shard)
+        rank0 = self.shard is None or self.shard.rank == 0
+        sampler = Sampler() if rank0 else _NoSampler()
+        grammars = self._grammars() if rank0 else None
+        self.runner = ModelRunner(
+            self.model, self.cache, sampler, self.device, self.shard, grammars
+        )
         return ModelInfo(
             model=self.config.model,
             vocab_size=cfg.vocab_size,
@@ -102,12 +108,35 @@ class Executor:
     def execute(self, step: ExecuteStep) -> StepResult:
         """Swap out, swap in, copy on write, in that order; then the forward pass."""
         cache, runner = self._pools()
+        refused = self._check_grammars(step)
+        if refused:  # the other ranks get the step without them
+            step = dataclasses.replace(step, seqs=[s for s in step.seqs if s.seq_id not in refused])
         with self._on_all_ranks("execute", step):
             cache.swap_out(step.blocks_to_swap_out)
             cache.swap_in(step.blocks_to_swap_in)
             cache.copy(step.blocks_to_copy)
             outputs = runner.execute(step.seqs, lambda: self._end_step_id == step.step_id)
-            return StepResult(step.step_id, outputs)
+        outputs += [SeqOutput(seq_id, [], [], error=why) for seq_id, why in refused.items()]
+        return StepResult(step.step_id, outputs)
+
+    def _check_grammars(self, step: ExecuteStep) -> dict[int, str]:
+        """Why, by seq_id, each sequence whose grammar cannot be used is left out of the
+        step (see GrammarMasks.check); decided on rank 0 before any rank touches its pools."""
+        grammars = self._pools()[1].grammars
+        if self.shard is not None and self.shard.rank > 0:
+            return {}  # rank 0 sends the step without them
+        if grammars is not None:
+            return grammars.check(step.seqs)
+        why = f"{self.config.model} has no tokenizer, so no structured outputs"
+        return {s.seq_id: why for s in step.seqs if s.sampling_params.grammar is not None}
+
+    def _grammars(self) -> GrammarMasks | None:
+        """Structured outputs need the vocabulary's text, so a model without a tokenizer
+        (the tests' random ones) has none."""
+        tokenizer = load_tokenizer(self.model_path)
+        if tokenizer is None or self.eos_token_id is None:
+            return None
+        return GrammarMasks(tokenizer, self.model.config.vocab_size, self.eos_token_id)
 
     def end_steps(self, step_id: int) -> None:
         """Have step ``step_id``, running or next, stop its decode steps in a row after the

@@ -10,6 +10,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata
 from executor_svc.cache_engine import CacheEngine
+from executor_svc.grammar import GrammarMasks
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.parallel import Shard
 from executor_svc.prompt_scorer import score_prompts
@@ -36,12 +37,14 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         shard: Shard | None = None,
+        grammars: GrammarMasks | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
         self.shard = shard
+        self.grammars = grammars  # rank 0 only, and only with a tokenizer
         if device.type == "cpu":
             ops.cpu_extension()  # built (first time only) now rather than inside a step
 
@@ -99,8 +102,13 @@ class ModelRunner:
         outputs = [SeqOutput(seq.seq_id, [], []) for seq in seqs]
         if drawing:
             rows = batch.last_token_index[torch.tensor(drawing, device=self.device)]
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self.sampler(logits, [ordered[i] for i in drawing])
+            logits = self.model.compute_logits(hidden[rows])  # [num_drawing, vocab_size]
+            drawn = [ordered[i] for i in drawing]
+            if self.grammars is not None:
+                self.grammars.mask(logits, drawn)
+            sampled = self.sampler(logits, drawn)
+            if self.grammars is not None:
+                self.grammars.accept(drawn, sampled)
             for i, output in zip(drawing, sampled, strict=True):
                 outputs[order[i]] = output
         for i, scored in score_prompts(hidden, ordered, self.model.compute_logits).items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedserve.grammar import Grammar
+
 # The widest values the executor's wire format holds (executor.proto): past them a request
 # would pass here and then fail its step's encoding, which ends the engine loop.
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -66,6 +68,7 @@ class SamplingParams:
     # scored is computed whole: prefix-cached blocks hold no logits to score it with.
     prompt_logprobs: int | None = None
     length_penalty: float = 1.0
+    grammar: Grammar | None = None  # constrains every token drawn (structured outputs)
     # Scheduling, not sampling: never sent to the executor.
     priority: int = 0  # lower runs first (FCFS within a priority), preempted last
     timeout: float | None = None  # seconds from arrival after which the request is ended
@@ -114,6 +117,8 @@ class SamplingParams:
             raise bad("timeout", f"must be a finite number of seconds > 0, got {self.timeout}")
         if self.use_beam_search and self.temperature != 0:
             raise bad("use_beam_search", "requires temperature 0")
+        if self.use_beam_search and self.grammar is not None:
+            raise bad("use_beam_search", "cannot be combined with structured outputs")
 
     @property
     def has_penalties(self) -> bool:
@@ -123,6 +128,12 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Whether the executor needs the output so far: for penalties, or to rebuild a
+        grammar's state when it has none for the sequence."""
+        return self.has_penalties or self.grammar is not None
 
     @property
     def width(self) -> int:

@@ -37,7 +37,7 @@ class SeqStep:
     # else shares its batch: (seed, sample index, output length) fixes every draw.
     sample_index: int = 0
     # The full prompt, sent when a penalty or the prompt's scoring needs it; the output so
-    # far, sent when a penalty needs it.
+    # far, sent when a penalty or a grammar needs it.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_steps: int = 1
@@ -71,7 +71,9 @@ class SeqStep:
             sample_index=self.sample_index,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=(
-                [*self.output_token_ids, token_id] if self.sampling_params.has_penalties else []
+                [*self.output_token_ids, token_id]
+                if self.sampling_params.needs_output_tokens
+                else []
             ),
             num_steps=self.num_steps - 1,
         )
@@ -111,6 +113,8 @@ class SeqOutput:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # Left out of the step, why: its grammar does not compile or refuses its output.
+    error: str = ""
 
 
 @dataclass(slots=True)

@@ -36,10 +36,11 @@ RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin pag
 WORKDIR /opt/pagedserve/src
 COPY pyproject.toml README.md ./
 COPY deploy/docker/requirements.py ./deploy/docker/requirements.py
-# Every runtime dependency but torch (and accelerate, which only torch uses), then the
-# project itself without its dependency list.
+# Every runtime dependency but torch (and accelerate and xgrammar, which need it: without
+# xgrammar the executor checks structured outputs' grammars), then the project itself
+# without its dependency list.
 # hadolint ignore=DL3013
-RUN python deploy/docker/requirements.py pyproject.toml --without torch accelerate \
+RUN python deploy/docker/requirements.py pyproject.toml --without torch accelerate xgrammar \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

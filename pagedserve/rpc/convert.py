@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import fields
 
+from pagedserve.grammar import Grammar
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParameters:
         logprobs=p.logprobs,
         prompt_logprobs=p.prompt_logprobs,
         length_penalty=p.length_penalty,
+        grammar=pb.Grammar(kind=p.grammar.kind, spec=p.grammar.spec) if p.grammar else None,
     )
 
 
@@ -71,6 +73,7 @@ def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         length_penalty=m.length_penalty,
+        grammar=Grammar(m.grammar.kind, m.grammar.spec) if m.HasField("grammar") else None,
     )
 
 
@@ -163,6 +166,7 @@ def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
             logprobs=o.logprobs,
             top_logprobs=[pb.TopLogprobs(entries=_entries_to_pb(top)) for top in o.top_logprobs],
             prompt_logprobs=[_prompt_logprob_to_pb(scored) for scored in o.prompt_logprobs],
+            error=o.error,
         )
         for o in result.outputs
     ]
@@ -180,6 +184,7 @@ def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
                 PromptLogprob(p.logprob, p.rank, _entries_from_pb(p.top_logprobs))
                 for p in o.prompt_logprobs
             ],
+            error=o.error,
         )
         for o in m.outputs
     ]

@@ -53,7 +53,10 @@ def tokenize_prompts(tokenizer: Any, vocab_size: int, parsed: ParsedRequest) -> 
     """Token ids of each prompt: chat messages through the chat template, text, or ids
     checked against the vocabulary. A batch's errors name the prompt (``prompt[i]``)."""
     if parsed.messages is not None:
-        return [_nonempty(chat_prompt_ids(tokenizer, parsed.messages))]
+        messages, extra = parsed.messages, {}
+        if parsed.tools is not None:  # described in the template's tool section, or a message
+            messages, extra = parsed.tools.prompt(tokenizer, messages)
+        return [_nonempty(chat_prompt_ids(tokenizer, messages, **extra))]
     assert parsed.prompts is not None
     many = len(parsed.prompts) > 1
     return [
@@ -64,14 +67,16 @@ def tokenize_prompts(tokenizer: Any, vocab_size: int, parsed: ParsedRequest) -> 
 
 def chat_prompt_ids(
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     add_special_tokens: bool = False,
+    **template_args: Any,
 ) -> list[int]:
-    """A chat's prompt: the messages through the model's chat template, then encoded
-    (the template writes its own special tokens, so none are added by default)."""
+    """A chat's prompt: the messages through the model's chat template (given
+    ``template_args``, e.g. its tools), then encoded (the template writes its own special
+    tokens, so none are added by default)."""
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_args
     )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -68,9 +68,17 @@ _KNOWN: tuple[tuple[type[Exception], int, str], ...] = (
 )
 
 
+def require(ok: bool, message: str, param: str) -> None:
+    """APIError(400) naming ``param`` unless ``ok``."""
+    if not ok:
+        raise APIError(400, message, param=param)
+
+
 _TYPES = {429: "rate_limit_error"}
-# A request the engine ended without a result: its timeout passed (504), else our failure.
-_FAILED_STATUS = {"deadline_exceeded": 504}
+# A request the engine ended without a result: its timeout passed (504), the executor could
+# not use its grammar (400: the scheduler could not check it, see api/structured.py), else
+# our failure.
+_FAILED_STATUS = {"deadline_exceeded": 504, "invalid_grammar": 400}
 
 
 def client_error(e: Exception, request_id: str | None) -> APIError:
@@ -80,7 +88,8 @@ def client_error(e: Exception, request_id: str | None) -> APIError:
         return e
     if isinstance(e, RequestFailedError):
         status = _FAILED_STATUS.get(e.code, 500)
-        return APIError(status, str(e), code=e.code, type="server_error")
+        type_ = "server_error" if status >= 500 else "invalid_request_error"
+        return APIError(status, str(e), code=e.code, type=type_)
     for kind, status, code in _KNOWN:
         if isinstance(e, kind):
             type_ = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")

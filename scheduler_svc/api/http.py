@@ -31,6 +31,7 @@ from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
 from scheduler_svc.api.render import VERSION, Choice, Renderer
 from scheduler_svc.api.schema import describe
+from scheduler_svc.api.structured import load_engine, wants_grammar
 from scheduler_svc.api.tokens import add_token_routes
 from scheduler_svc.api.wire import decode_body, read_body
 from scheduler_svc.engine.async_engine import AsyncEngine
@@ -56,7 +57,11 @@ class Api:
     async def _answer(self, request: Request, chat: bool) -> Response:
         check_executor(self.engine, self.config)
         body = decode_body(await read_body(request, self.config.max_body_bytes))
+        if wants_grammar(body):
+            await asyncio.to_thread(load_engine)  # a few seconds once: not on the event loop
         parsed = parse_completion(body, self.config, chat, request.headers.get("x-request-timeout"))
+        if parsed.params.grammar is not None and self.tokenizer is None:
+            raise APIError(400, "structured outputs need the model's tokenizer", param="model")
         check_model(self.card.name, parsed.model)
         prompts = tokenize_prompts(self.tokenizer, self.card.vocab_size, parsed)
         for ids in prompts:

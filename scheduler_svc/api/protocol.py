@@ -7,9 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.grammar import Grammar
 from pagedserve.sampling_params import InvalidSamplingParam, SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
+from scheduler_svc.api.errors import require as _check
+from scheduler_svc.api.structured import check_compiles, parse_structured
+from scheduler_svc.api.tools import ToolPlan, calls_as_text, parse_tools
 
 Prompt = str | list[int]  # text, or token ids
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
@@ -31,6 +35,7 @@ class ParsedRequest:
     include_usage: bool
     echo: bool = False  # completions: the prompt comes back before the completion
     prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
+    tools: ToolPlan | None = None  # chat only; None also for tool_choice "none"
 
 
 def _get(data: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -57,11 +62,6 @@ def _number(data: dict, name: str, default: float) -> float:
     return value
 
 
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise APIError(400, message, param=param)
-
-
 def parse_completion(
     data: dict[str, Any], config: ApiConfig, chat: bool, timeout_header: str | None = None
 ) -> ParsedRequest:
@@ -70,11 +70,13 @@ def parse_completion(
     _refuse_unsupported(data)
     model = _get(data, "model", (str,))
     _check(model is not None, "'model' is required", "model")
-    prompts, messages = None, None
+    prompts, messages, tools = None, None, None
     if chat:
         messages = _parse_messages(data)
+        tools = parse_tools(data)
     else:
         prompts = _parse_prompts(data, config.max_prompts)
+        _check(not data.get("tools"), "'tools' are for chat completions", "tools")
     n = _get(data, "n", (int,), 1)
     _check(1 <= n <= config.max_n, f"'n' must be in [1, {config.max_n}], got {n}", "n")
     best_of = _get(data, "best_of", (int,))
@@ -151,6 +153,7 @@ def parse_completion(
             logprobs=logprobs,
             prompt_logprobs=_scored_prompt(prompt_logprobs, echo, logprobs, max_tokens),
             length_penalty=_number(data, "length_penalty", 1.0),
+            grammar=_grammar(data, tools),
             priority=_get(data, "priority", (int,), 0),
             timeout=_timeout(data, timeout_header),
         )
@@ -168,6 +171,7 @@ def parse_completion(
         _include_usage(data, stream),
         echo,
         prompt_logprobs,
+        tools,
     )
 
 
@@ -227,6 +231,20 @@ def parse_detokenize(data: dict[str, Any]) -> tuple[str | None, list[int]]:
     tokens = data.get("tokens")
     _check(_token_ids(tokens), "'tokens' must be a list of token ids", "tokens")
     return _get(data, "model", (str,)), tokens
+
+
+def _grammar(data: dict, tools: ToolPlan | None) -> Grammar | None:
+    """The request's structured output, or the schema its forced tool call must match."""
+    grammar = parse_structured(data)
+    forced = tools.grammar() if tools is not None else None
+    if forced is not None:
+        check_compiles(forced, "tools")
+    _check(
+        grammar is None or forced is None,
+        "a forced tool call cannot be combined with a structured output",
+        "tool_choice",
+    )
+    return grammar or forced
 
 
 def _timeout(data: dict, header: str | None) -> float | None:
@@ -291,6 +309,9 @@ def _parse_messages(data: dict) -> list[dict[str, str]]:
     )
     parsed = []
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls") is not None:
+            text = calls_as_text(m["tool_calls"], f"messages[{i}].tool_calls")
+            m = m | {"content": text}  # an assistant's calls, as it wrote them
         _check(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
@@ -327,11 +348,8 @@ def _message_text(content: str | list, index: int) -> str:
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -340,10 +358,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
 
 

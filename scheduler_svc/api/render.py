@@ -26,7 +26,7 @@ class Choice:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def add(self, out: SeqDelta) -> None:
+    def add(self, out: SeqDelta | Choice) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -117,6 +117,7 @@ class Renderer:
                 for i in range(self.parsed.params.n)
             ]
             yield _event(None, self._chunk(roles))
+        held = _HeldCalls(self) if self.parsed.tools is not None else None
         async for delta in deltas:
             for out in delta.outputs:
                 if resume is not None and (delta.event, out.index) <= resume:
@@ -126,9 +127,13 @@ class Renderer:
                     out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
                 )
                 echo = self.parsed.echo and delta.event == 1  # the prompt, as vLLM streams it
-                body = self._choice(out.index, choice, False, echo, delta.prompt_logprobs)
-                chunk = self._chunk([body])
-                yield _event(f"{delta.event}.{out.index}" if ids else None, chunk)
+                if held:
+                    sent = held.delta(out.index, choice)
+                else:
+                    sent = self._choice(out.index, choice, False, echo, delta.prompt_logprobs)
+                if sent is not None:
+                    chunk = self._chunk([sent])
+                    yield _event(f"{delta.event}.{out.index}" if ids else None, chunk)
         if self.parsed.include_usage:
             yield _event(None, self._chunk([]) | {"usage": self._usage(completion_tokens)})
 
@@ -147,12 +152,12 @@ class Renderer:
         self,
         index: int,
         c: Choice,
-        final: bool,
+        final: bool = False,
         echo: bool = False,
         prompt_logprobs: list[PromptLogprob] | None = None,
     ) -> dict[str, Any]:
         """One choice; with ``echo`` (completions) the prompt's text, and with logprobs its
-        tokens, come first."""
+        tokens, come first; a finished chat choice that is a tool call comes as one."""
         body: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
         if not self.chat:
             body["logprobs"] = None
@@ -163,9 +168,21 @@ class Renderer:
                 body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_logprobs)
             return body
         body["logprobs"] = self._chat_logprobs(c) if self.parsed.logprobs is not None else None
-        if final:  # no refusals here: the field is there, null, as OpenAI's schema requires
-            return body | {"message": {"role": "assistant", "content": c.text, "refusal": None}}
-        return body | {"delta": {"content": c.text}}
+        if not final:
+            return body | {"delta": {"content": c.text}}
+        # No refusals here: the field is there, null, as OpenAI's schema requires.
+        message = {"role": "assistant", "content": c.text, "refusal": None}
+        calls = self.tool_calls(c)
+        if calls is not None:
+            message |= {"content": None, "tool_calls": calls}
+            body["finish_reason"] = "tool_calls"
+        return body | {"message": message}
+
+    def tool_calls(self, c: Choice) -> list[dict[str, Any]] | None:
+        """The finished choice's text as OpenAI's ``tool_calls``, when it is a call."""
+        if self.parsed.tools is None or c.finish_reason != "stop":
+            return None
+        return self.parsed.tools.calls(c.text)
 
     def _prompt_text(self) -> str:
         """The prompt as the client sent it (token ids decoded)."""
@@ -258,6 +275,38 @@ def _aligned(
 def _first(top: dict[int, float], k: int) -> dict[int, float]:
     """The ``k`` most likely of ``top`` (which holds them most likely first)."""
     return dict(itertools.islice(top.items(), k))
+
+
+class _HeldCalls:
+    """A stream's choices that may be tool calls are held back until they end, then sent
+    as one ``tool_calls`` delta (OpenAI's shape: the call's id, type, name and arguments,
+    ``finish_reason: "tool_calls"``). With ``tool_choice: "auto"`` a choice whose text
+    starts otherwise than a JSON object is an answer: what was held goes out as content,
+    and the rest streams as usual."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.held: dict[int, Choice] = {}
+        self.answers: set[int] = set()
+
+    def delta(self, index: int, c: Choice) -> dict[str, Any] | None:
+        """The chunk choice to send for ``c``, or None while it is held."""
+        if index in self.answers:
+            return self.renderer._choice(index, c)
+        held = self.held.setdefault(index, Choice())
+        held.add(c)
+        text = held.text.lstrip()
+        if self.renderer.parsed.tools.choice == "auto" and text and not text.startswith("{"):
+            self.answers.add(index)
+            return self.renderer._choice(index, self.held.pop(index))
+        if c.finish_reason is None:
+            return None
+        calls = self.renderer.tool_calls(self.held.pop(index))
+        if calls is None:
+            return self.renderer._choice(index, held)
+        call = {"index": 0, **calls[0]}
+        delta = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}
 
 
 def _event(event_id: str | None, payload: dict[str, Any]) -> str:

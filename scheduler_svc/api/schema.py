@@ -49,6 +49,16 @@ class Sampling(BaseModel):
     prompt_logprobs: int | None = Field(
         None, ge=0, description="vLLM's: alternatives per prompt token; one prompt, no stream"
     )
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema: a grammar masks every token"
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json, regex, choice, grammar, json_object"
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="older vLLM spelling")
+    guided_regex: str | None = Field(None, description="older vLLM spelling")
+    guided_choice: list[str] | None = Field(None, description="older vLLM spelling")
+    guided_grammar: str | None = Field(None, description="older vLLM spelling (EBNF)")
 
 
 class CompletionRequest(Sampling):
@@ -74,6 +84,10 @@ class ChatCompletionRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0)
     echo: bool = Field(False, description="completions only: true is a 400 here")
+    tools: list[dict[str, Any]] | None = Field(None, description="functions the model may call")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (default), required, or a named function"
+    )
 
 
 class TokenizeRequest(BaseModel):

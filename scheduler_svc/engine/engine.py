@@ -264,6 +264,7 @@ class LLMEngine:
         """Everything after Execute: tokens, forks, stops, text, events, commit 2."""
         outcome = StepOutcome(finished=list(out.ignored), preempted=list(out.preempted))
         if step is not None and result is not None:
+            refused = self._end_refused(out, result)
             self._count(out, step)
             outcome.groups = [s.group for s in out.scheduled]
             stops = [g for g in outcome.groups if g.sampling_params.stop]
@@ -277,6 +278,7 @@ class LLMEngine:
                 for group in outcome.groups:
                     for seq in group.get_seqs(SequenceStatus.RUNNING):
                         self.scheduler.block_manager.unmap_ahead(seq)
+            outcome.deltas += refused
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
         for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
@@ -290,6 +292,31 @@ class LLMEngine:
                 self.journal.remove(group.request_id)
             self.journal.defer(outcome.deltas)
         return outcome
+
+    def _end_refused(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        """End the requests the executor left out of the step (a grammar it cannot use):
+        taken out of ``out`` and ``result``, aborted (blocks freed), each stream ended by
+        an ``invalid_grammar`` error event. Their grammar is the client's mistake, so every
+        other request goes on."""
+        refused = {o.seq_id: o.error for o in result.outputs if o.error}
+        if not refused:
+            return []
+        result.outputs = [o for o in result.outputs if not o.error]
+        deltas = []
+        for scheduled in list(out.scheduled):
+            group = scheduled.group
+            why = next((refused[s.seq_id] for s in group.seqs if s.seq_id in refused), None)
+            if why is None:
+                continue
+            out.scheduled.remove(scheduled)
+            self.abort(group.request_id)
+            num_events = self.streams.forget(group)
+            deltas.append(
+                self.streams.failed(
+                    group.request_id, group.prompt_len, why, num_events, code="invalid_grammar"
+                )
+            )
+        return deltas
 
     def flush(self) -> None:
         """Commit what the last step left (the engine is going idle)."""
@@ -447,7 +474,8 @@ class LLMEngine:
             num_samples=num_samples(group) if end == seq.get_len() else 0,
             sample_index=index,
             prompt_token_ids=seq.prompt_token_ids if history or scoring else [],
-            output_token_ids=list(seq.output_token_ids) if history else [],  # a copy: grows
+            # a copy: the sequence grows
+            output_token_ids=list(seq.output_token_ids) if params.needs_output_tokens else [],
             num_steps=max(1, num_slots - seq.get_len() + 1),  # slots mapped ahead: see Scheduler
         )
 
@@ -460,7 +488,7 @@ def _one_step_at_a_time(step: ExecuteStep, result: StepResult) -> Iterator[dict[
     if max((s.num_steps for s in step.seqs), default=1) == 1:
         yield {o.seq_id: o for o in outputs}
         return
-    for i in range(max(len(o.token_ids) for o in outputs)):  # fewer when it ended early
+    for i in range(max((len(o.token_ids) for o in outputs), default=0)):  # fewer: ended early
         yield {
             o.seq_id: SeqOutput(
                 o.seq_id,

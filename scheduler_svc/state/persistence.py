@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from pagedserve.grammar import Grammar
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockPairs, ExecuteStep, PromptLogprob
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -35,13 +36,18 @@ _SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(Sequence))
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+    data = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    if params.grammar is not None:
+        data["grammar"] = {"kind": params.grammar.kind, "spec": params.grammar.spec}
+    return data
 
 
 def params_from_dict(data: dict[str, Any]) -> SamplingParams:
     data = dict(data)
     data["stop"] = tuple(data.get("stop", ()))
     data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
+    if data.get("grammar") is not None:
+        data["grammar"] = Grammar(**data["grammar"])
     return SamplingParams(**data)
 
 

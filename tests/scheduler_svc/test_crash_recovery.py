@@ -14,8 +14,10 @@ import uuid
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
+from pagedserve.grammar import Grammar
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ExecutorConfig
@@ -24,6 +26,15 @@ from tests.services import free_port, start, stop, wait_healthy
 pytestmark = pytest.mark.redis
 PROMPTS = ["The harbour committee met", "A fisherman asked who would pay", "By noon the mayor"]
 MAX_TOKENS = 24
+HOUSE = {  # a constrained generation the tiny random model can only finish by its grammar
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "rooms": {"type": "array", "items": {"enum": ["hall", "kitchen"]}, "maxItems": 3},
+        "floors": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "rooms", "floors"],
+}
 
 
 def executor_args(model_dir: Path, port: int) -> list[str]:
@@ -64,6 +75,17 @@ def reference(tiny_chat_model_dir: Path) -> list[str]:
         [Request(str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)], progress=False
     )
     return [r.outputs[0].text for r in results]
+
+
+@pytest.fixture(scope="module")
+def constrained_reference(tiny_chat_model_dir: Path) -> str:
+    llm = OfflineLLM(
+        ExecutorConfig(model=str(tiny_chat_model_dir), num_gpu_blocks=64, swap_space=0.01)
+    )
+    grammar = Grammar("json_schema", json.dumps(HOUSE))
+    params = SamplingParams(temperature=0, max_tokens=4 * MAX_TOKENS, grammar=grammar)
+    [result] = llm.generate([Request("0", prompt=PROMPTS[0], params=params)], progress=False)
+    return result.outputs[0].text
 
 
 def scheduler(
@@ -251,3 +273,34 @@ def test_executor_kill_9_is_a_delay_not_an_error(
     finally:
         stop(proc)
         stop(executor)
+
+
+def test_a_constrained_generation_is_the_same_after_a_kill_9(
+    redis_url, executor, namespace, constrained_reference
+):
+    """The executor's grammar state outlives the scheduler: the pending step's replay
+    answers its stored tokens, and every later step brings the matcher along by its output."""
+    proc, url = scheduler(redis_url, executor, namespace, crash_at="after_execute:4")
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    request = body(model, PROMPTS[0]) | {
+        "max_tokens": 4 * MAX_TOKENS,
+        "ignore_eos": False,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": HOUSE}},
+    }
+    headers = {"X-Request-Id": "constrained"}
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{url}/v1/completions", json=request, headers=headers, timeout=60)
+    try:
+        assert proc.wait(timeout=60) == -9, "the scheduler should have died at the crash point"
+    finally:
+        stop(proc)
+    proc, url = scheduler(redis_url, executor, namespace)
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=request, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == constrained_reference and choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["text"]), HOUSE)
+        assert used_blocks(url) == 0
+    finally:
+        stop(proc)

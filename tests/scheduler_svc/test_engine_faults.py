@@ -5,11 +5,13 @@ journaling to an in-process store (the services' versions run in test_store_outa
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 
 import pytest
 
+from pagedserve.grammar import Grammar
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, StepResult
 from scheduler_svc.engine.async_engine import AsyncEngine
@@ -82,6 +84,30 @@ def test_a_request_that_cannot_be_journaled_ends_alone(journaled_engine) -> None
     assert "cannot be journaled" in str(failure)
     assert ok[-1].finished and ok[-1].error is None and text_of(ok)
     assert [RequestDelta.from_json(e).error for _, e in store.read_events("bad")] == [str(failure)]
+    assert store.pending_requests() == [] and store.load().groups == {}
+
+
+def test_a_grammar_the_executor_cannot_use_ends_its_request_alone(journaled_engine) -> None:
+    """Where the scheduler has no grammar engine to check a request with (its image), the
+    executor leaves a grammar it cannot compile out of the step: that request ends with an
+    ``invalid_grammar`` error (a 400), the constrained one beside it finishes, and so does
+    one that started before."""
+    store = InMemoryStateStore()
+    unclosed = SamplingParams(max_tokens=4, grammar=Grammar("regex", "(unclosed"))
+    dates = SamplingParams(max_tokens=40, grammar=Grammar("regex", r"[0-9]{4}-[0-9]{2}"))
+
+    async def body(engine: AsyncEngine) -> list:
+        ok = asyncio.create_task(collect(engine, "ok", GREEDY))
+        await asyncio.sleep(0.2)
+        bad = collect(engine, "bad", unclosed)
+        good = collect(engine, "date", dates)
+        return await asyncio.gather(bad, good, ok, return_exceptions=True)
+
+    failure, date, ok = run(journaled_engine(store), body)
+    assert isinstance(failure, RequestFailedError) and failure.code == "invalid_grammar"
+    assert "does not compile" in str(failure)
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}", text_of(date)), text_of(date)
+    assert ok[-1].finished and ok[-1].error is None and len(text_of(ok)) > 0
     assert store.pending_requests() == [] and store.load().groups == {}
 
 

@@ -39,7 +39,7 @@ class InitCacheResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("n", "best_of", "use_beam_search", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "ignore_eos", "stop_token_ids", "seed", "logprobs", "length_penalty", "prompt_logprobs")
+    __slots__ = ("n", "best_of", "use_beam_search", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "ignore_eos", "stop_token_ids", "seed", "logprobs", "length_penalty", "prompt_logprobs", "grammar")
     N_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
     USE_BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class SamplingParameters(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     n: int
     best_of: int
     use_beam_search: bool
@@ -74,7 +75,16 @@ class SamplingParameters(_message.Message):
     logprobs: int
     length_penalty: float
     prompt_logprobs: int
-    def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., length_penalty: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., length_penalty: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "spec")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
     __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps")
@@ -141,18 +151,20 @@ class PromptLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
+    error: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("step_id", "outputs")
