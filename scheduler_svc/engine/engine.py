@@ -435,7 +435,7 @@ class LLMEngine:
         end = min(num_slots, seq.get_len())  # short of the length: a prompt chunk
         return SeqStep(
             seq_id=seq.seq_id,
-            new_token_ids=seq.get_token_ids()[seq.num_computed_tokens : end],
+            new_token_ids=seq.get_token_ids_between(seq.num_computed_tokens, end),
             num_computed_tokens=seq.num_computed_tokens,
             block_table=list(self.scheduler.block_manager.get_block_table(seq)),
             sampling_params=params,
