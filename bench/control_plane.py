@@ -58,6 +58,7 @@ class Sample:
     tokens: float  # scheduler: tokens generated
     running: int  # scheduler: requests running
     scheduler_cpu_s: float
+    executor_cpu_s: float
     client_cpu_s: float
 
 
@@ -80,8 +81,18 @@ def scheduler_counters(text: str) -> tuple[float, int]:
     return tokens, running
 
 
-async def sample(http: httpx.AsyncClient, executor: ExecutorClient, scheduler_pid: int) -> Sample:
-    stats = await asyncio.to_thread(executor.get_stats)
+@dataclass(frozen=True, slots=True)
+class Processes:
+    """The stand-in executor (its client and pid) and the scheduler (its URL and pid)."""
+
+    executor: ExecutorClient
+    executor_pid: int
+    url: str
+    scheduler_pid: int
+
+
+async def sample(http: httpx.AsyncClient, procs: Processes) -> Sample:
+    stats = await asyncio.to_thread(procs.executor.get_stats)
     tokens, running = scheduler_counters((await http.get("/metrics")).text)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return Sample(
@@ -90,7 +101,8 @@ async def sample(http: httpx.AsyncClient, executor: ExecutorClient, scheduler_pi
         stats.num_steps,
         tokens,
         running,
-        cpu_seconds(scheduler_pid),
+        cpu_seconds(procs.scheduler_pid),
+        cpu_seconds(procs.executor_pid),
         usage.ru_utime + usage.ru_stime,
     )
 
@@ -114,6 +126,9 @@ def figures(a: Sample, b: Sample, num_seqs: int) -> dict[str, Any]:
             round(cpu / decode_steps * 1e3, 3) if decode_steps else None
         ),
         "scheduler_cpu_cores": round(cpu / wall, 3),
+        "executor_cpu_ms_per_call": (
+            round((b.executor_cpu_s - a.executor_cpu_s) / calls * 1e3, 3) if calls else None
+        ),
         "client_cpu_cores": round((b.client_cpu_s - a.client_cpu_s) / wall, 3),
         "running_at_end": b.running,
     }
@@ -153,25 +168,23 @@ class Load:
         await asyncio.gather(*self.slots, return_exceptions=True)
 
 
-async def measure_levels(
-    url: str, executor: ExecutorClient, scheduler_pid: int, args: argparse.Namespace, bar: Any
-) -> list[dict[str, Any]]:
+async def measure_levels(procs: Processes, args: argparse.Namespace, bar: Any) -> list[dict]:
     """Grow the load through ``args.seqs``; at each level wait until all run, let it settle,
     then sample a window."""
     limits = httpx.Limits(max_connections=max(args.seqs) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=procs.url, timeout=None, limits=limits) as http:
         load = Load(http, (await http.get("/v1/models")).json()["data"][0]["id"], args)
         results = []
         try:
             for num_seqs in args.seqs:
                 load.grow(num_seqs)
-                while (await sample(http, executor, scheduler_pid)).running < num_seqs:
+                while (await sample(http, procs)).running < num_seqs:
                     load.check()
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(args.warmup)
-                first = await sample(http, executor, scheduler_pid)
+                first = await sample(http, procs)
                 await asyncio.sleep(args.window)
-                last = await sample(http, executor, scheduler_pid)
+                last = await sample(http, procs)
                 load.check()
                 results.append({"num_seqs": num_seqs} | figures(first, last, num_seqs))
                 bar.update(1)
@@ -181,7 +194,10 @@ async def measure_levels(
 
 
 @contextlib.contextmanager
-def standin_executor(args: argparse.Namespace, step_ms: float) -> Iterator[ExecutorClient]:
+def standin_executor(
+    args: argparse.Namespace, step_ms: float
+) -> Iterator[tuple[ExecutorClient, int]]:
+    """bench/standin_executor.py on a free port; yields a client of it and its pid."""
     port = free_port()
     cmd = [sys.executable, "-m", "bench.standin_executor", f"--port={port}"]
     cmd += [
@@ -197,8 +213,8 @@ def standin_executor(args: argparse.Namespace, step_ms: float) -> Iterator[Execu
                 return bool(client.health(timeout=1))
             return False
 
-        with process(cmd, "standin-executor", answers):
-            yield client
+        with process(cmd, "standin-executor", answers) as proc:
+            yield client, proc.pid
 
 
 @contextlib.contextmanager
@@ -224,10 +240,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for step_ms in args.step_ms:
             for k in args.decode_steps:
                 with (
-                    standin_executor(args, step_ms) as executor,
-                    scheduler(args, executor.address, store, k) as (url, pid),
+                    standin_executor(args, step_ms) as (executor, executor_pid),
+                    scheduler(args, executor.address, store, k) as (url, scheduler_pid),
                 ):
-                    levels = asyncio.run(measure_levels(url, executor, pid, args, bar))
+                    procs = Processes(executor, executor_pid, url, scheduler_pid)
+                    levels = asyncio.run(measure_levels(procs, args, bar))
                 runs += [{"step_ms": step_ms, "num_decode_steps": k} | r for r in levels]
     return runs
 
@@ -238,7 +255,8 @@ def mode_name(num_decode_steps: int) -> str:
 
 def print_results(runs: list[dict[str, Any]]) -> None:
     headers = ["step ms", "calls", "seqs", "busy", "decode steps/s", "calls/s", "gap ms/call"]
-    headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores", "client cores"]
+    headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores"]
+    headers += ["executor CPU ms/call", "client cores"]
     rows = [
         [
             r["step_ms"],
@@ -251,6 +269,7 @@ def print_results(runs: list[dict[str, Any]]) -> None:
             r["scheduler_cpu_ms_per_call"],
             r["scheduler_cpu_ms_per_decode_step"],
             r["scheduler_cpu_cores"],
+            r["executor_cpu_ms_per_call"],
             r["client_cpu_cores"],
         ]
         for r in runs

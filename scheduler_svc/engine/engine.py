@@ -266,11 +266,15 @@ class LLMEngine:
         if step is not None and result is not None:
             self._count(out, step)
             outcome.groups = [s.group for s in out.scheduled]
-            stops = [g for g in outcome.groups if g.sampling_params.stop]
-            for samples in _one_step_at_a_time(step, result):
-                outcome.finished += self.processor.process(out, samples)
-                if self.detokenizer is not None and stops:  # may end a run mid-way
-                    self._detokenize(outcome, stops)
+            if self.processor.can_process_run(out):
+                by_seq = {o.seq_id: o for o in result.outputs}
+                outcome.finished += self.processor.process_run(out, by_seq)
+            else:
+                stops = [g for g in outcome.groups if g.sampling_params.stop]
+                for samples in _one_step_at_a_time(step, result):
+                    outcome.finished += self.processor.process(out, samples)
+                    if self.detokenizer is not None and stops:  # may end a run mid-way
+                        self._detokenize(outcome, stops)
             if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
                 self._detokenize(outcome, outcome.groups)
             if any(s.num_steps > 1 for s in step.seqs):  # ended early: slots it did not use

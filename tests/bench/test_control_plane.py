@@ -24,6 +24,7 @@ def test_figures_of_a_window() -> None:
         tokens=800.0,
         running=4,
         scheduler_cpu_s=2.0,
+        executor_cpu_s=1.0,
         client_cpu_s=0.5,
     )
     b = Sample(
@@ -33,6 +34,7 @@ def test_figures_of_a_window() -> None:
         tokens=2400.0,
         running=4,
         scheduler_cpu_s=2.5,
+        executor_cpu_s=1.4,
         client_cpu_s=0.6,
     )
     f = figures(a, b, num_seqs=8)
@@ -40,6 +42,7 @@ def test_figures_of_a_window() -> None:
     assert f["decode_steps_per_s"] == 100 and f["gap_ms_per_call"] == pytest.approx(2.0)
     assert f["scheduler_cpu_ms_per_call"] == 2.5 and f["scheduler_cpu_cores"] == 0.25
     assert f["client_cpu_cores"] == pytest.approx(0.05)
+    assert f["executor_cpu_ms_per_call"] == pytest.approx(2.0)
 
 
 def test_standin_tokens_depend_on_sequence_and_position_only() -> None:
@@ -69,6 +72,7 @@ def test_control_plane_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
     for r in runs:
         assert 0 < r["busy_fraction"] <= 1 and r["calls"] > 0 and r["decode_steps"] > 0
         assert r["scheduler_cpu_ms_per_call"] > 0 and r["gap_ms_per_call"] >= 0
+        assert r["executor_cpu_ms_per_call"] > 0
         assert r["running_at_end"] <= r["num_seqs"]
         if r["num_decode_steps"] == 1:  # a call computes one token per sequence at most
             assert r["decode_steps"] <= r["calls"] + 2
