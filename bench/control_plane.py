@@ -7,6 +7,9 @@ Redis journaling and its HTTP front door. A load keeps N sequences running (long
 ``max_tokens``, EOS ignored; a finished one is replaced at once). Over a steady window:
 
 * busy fraction: the executor's time inside steps (GetStats) / wall time;
+* forward fraction: decode steps x the step time / wall time, what an accelerator with
+  exactly that step time would compute (busy also counts the executor's Python between
+  the passes of a call, and sleeps that overran);
 * decode steps/s: tokens generated per second / N; calls/s: Execute calls per second;
 * gap: wall time outside steps per call, what the executor waits for the scheduler;
 * the scheduler process's CPU time (user + system, /proc) per call and per decode step.
@@ -107,8 +110,11 @@ async def sample(http: httpx.AsyncClient, procs: Processes) -> Sample:
     )
 
 
-def figures(a: Sample, b: Sample, num_seqs: int) -> dict[str, Any]:
-    """What the window between two samples shows."""
+def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, Any]:
+    """What the window between two samples shows. ``forward_fraction`` is the share of the
+    wall time an accelerator whose forward pass takes exactly ``step_ms`` would compute:
+    ``busy_fraction`` also counts the executor's own Python between the passes of a call
+    and a sleep that overran on a loaded machine."""
     wall, calls = b.at - a.at, b.calls - a.calls
     decode_steps = (b.tokens - a.tokens) / num_seqs
     cpu = b.scheduler_cpu_s - a.scheduler_cpu_s
@@ -118,6 +124,7 @@ def figures(a: Sample, b: Sample, num_seqs: int) -> dict[str, Any]:
         "calls": calls,
         "decode_steps": round(decode_steps, 1),
         "busy_fraction": round(busy / wall, 4),
+        "forward_fraction": round(decode_steps * step_ms / 1e3 / wall, 4),
         "decode_steps_per_s": round(decode_steps / wall, 1),
         "calls_per_s": round(calls / wall, 1),
         "gap_ms_per_call": round((wall - busy) / calls * 1e3, 3) if calls else None,
@@ -168,7 +175,9 @@ class Load:
         await asyncio.gather(*self.slots, return_exceptions=True)
 
 
-async def measure_levels(procs: Processes, args: argparse.Namespace, bar: Any) -> list[dict]:
+async def measure_levels(
+    procs: Processes, args: argparse.Namespace, step_ms: float, bar: Any
+) -> list[dict]:
     """Grow the load through ``args.seqs``; at each level wait until all run, let it settle,
     then sample a window."""
     limits = httpx.Limits(max_connections=max(args.seqs) + 8)
@@ -186,7 +195,7 @@ async def measure_levels(procs: Processes, args: argparse.Namespace, bar: Any) -
                 await asyncio.sleep(args.window)
                 last = await sample(http, procs)
                 load.check()
-                results.append({"num_seqs": num_seqs} | figures(first, last, num_seqs))
+                results.append({"num_seqs": num_seqs} | figures(first, last, num_seqs, step_ms))
                 bar.update(1)
         finally:
             await load.stop()
@@ -244,7 +253,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     scheduler(args, executor.address, store, k) as (url, scheduler_pid),
                 ):
                     procs = Processes(executor, executor_pid, url, scheduler_pid)
-                    levels = asyncio.run(measure_levels(procs, args, bar))
+                    levels = asyncio.run(measure_levels(procs, args, step_ms, bar))
                 runs += [{"step_ms": step_ms, "num_decode_steps": k} | r for r in levels]
     return runs
 
@@ -254,7 +263,8 @@ def mode_name(num_decode_steps: int) -> str:
 
 
 def print_results(runs: list[dict[str, Any]]) -> None:
-    headers = ["step ms", "calls", "seqs", "busy", "decode steps/s", "calls/s", "gap ms/call"]
+    headers = ["step ms", "calls", "seqs", "busy", "forward", "decode steps/s", "calls/s"]
+    headers += ["gap ms/call"]
     headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores"]
     headers += ["executor CPU ms/call", "client cores"]
     rows = [
@@ -263,6 +273,7 @@ def print_results(runs: list[dict[str, Any]]) -> None:
             mode_name(r["num_decode_steps"]),
             r["num_seqs"],
             r["busy_fraction"],
+            r["forward_fraction"],
             r["decode_steps_per_s"],
             r["calls_per_s"],
             r["gap_ms_per_call"],

@@ -37,9 +37,13 @@ def test_figures_of_a_window() -> None:
         executor_cpu_s=1.4,
         client_cpu_s=0.6,
     )
-    f = figures(a, b, num_seqs=8)
+    f = figures(a, b, num_seqs=8, step_ms=5.0)
     assert f["busy_fraction"] == 0.8 and f["calls"] == 200 and f["decode_steps"] == 200
-    assert f["decode_steps_per_s"] == 100 and f["gap_ms_per_call"] == pytest.approx(2.0)
+    assert (
+        f["forward_fraction"] == 0.5
+        and f["decode_steps_per_s"] == 100
+        and f["gap_ms_per_call"] == pytest.approx(2.0)
+    )
     assert f["scheduler_cpu_ms_per_call"] == 2.5 and f["scheduler_cpu_cores"] == 0.25
     assert f["client_cpu_cores"] == pytest.approx(0.05)
     assert f["executor_cpu_ms_per_call"] == pytest.approx(2.0)
@@ -71,6 +75,7 @@ def test_control_plane_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
     ]
     for r in runs:
         assert 0 < r["busy_fraction"] <= 1 and r["calls"] > 0 and r["decode_steps"] > 0
+        assert 0 < r["forward_fraction"] <= r["busy_fraction"] + 0.05
         assert r["scheduler_cpu_ms_per_call"] > 0 and r["gap_ms_per_call"] >= 0
         assert r["executor_cpu_ms_per_call"] > 0
         assert r["running_at_end"] <= r["num_seqs"]
