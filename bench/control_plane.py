@@ -289,8 +289,8 @@ def print_results(runs: list[dict[str, Any]]) -> None:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    """Busy fraction against running sequences: one panel per mode, a line per step time,
-    the issue's target as a dashed line."""
+    """Busy and forward fractions against running sequences: one panel per mode, a colour
+    per step time, the issue's target as a dashed line."""
     plt = pyplot()
     modes = sorted({r["num_decode_steps"] for r in runs})
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
@@ -298,14 +298,17 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         for step_ms in sorted({r["step_ms"] for r in runs}):
             points = [r for r in runs if r["num_decode_steps"] == k and r["step_ms"] == step_ms]
             xs = [r["num_seqs"] for r in points]
-            ax.plot(xs, [r["busy_fraction"] for r in points], marker="o", label=f"{step_ms:g} ms")
+            line = ax.plot(xs, [r["busy_fraction"] for r in points], marker="o")[0]
+            line.set_label(f"{step_ms:g} ms: busy")
+            forward = [r["forward_fraction"] for r in points]
+            ax.plot(xs, forward, ":", marker="x", color=line.get_color(), label="forward")
         target = TARGETS["one_step" if k == 1 else "steps_in_a_row"]
         ax.axhline(target, linestyle="--", color="grey", label=f"target {target:.2f} (5 ms)")
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("running sequences")
-        ax.set_ylabel("executor busy fraction")
+        ax.set_ylabel("fraction of wall time")
         ax.set_title(mode_name(k))
-        ax.legend(title="step time")
+        ax.legend(title="step time", fontsize="x-small", title_fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
