@@ -48,7 +48,7 @@ bench: install
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
 		--json $(RES)/routing_chat_prefix.json
 	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
-	$(PY) bench/control_plane.py --window 3 --json $(RES)/control_plane.json
+	$(PY) bench/control_plane.py --window 2 --json $(RES)/control_plane.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
 
