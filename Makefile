@@ -49,6 +49,7 @@ bench: install
 		--json $(RES)/routing_chat_prefix.json
 	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
 	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 --json $(RES)/structured.json
+	$(PY) bench/control_plane.py --window 2 --json $(RES)/control_plane.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
 
@@ -73,6 +74,8 @@ bench-full: install
 		--json $(RES)/full/routing_chat_prefix.json
 	$(PY) bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,256,512,2048 \
 		--json $(RES)/full/long_prompts.json
+	$(PY) bench/control_plane.py --seqs 32,64,128,256 --window 10 \
+		--json $(RES)/full/control_plane.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -58,10 +58,14 @@ def vllm_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def server(
-    cmd: list[str], port: int, name: str, env: dict[str, str] | None = None, timeout: float = 600
-) -> Iterator[str]:
-    """Run ``cmd`` in its own process group; yield its URL once GET /health answers 200."""
+def process(
+    cmd: list[str],
+    name: str,
+    ready: Callable[[], bool],
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` in its own process group; yield it once ``ready()``, stop it after."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{name}-", suffix=".log")  # noqa: SIM115
     proc = subprocess.Popen(
         cmd,
@@ -71,21 +75,32 @@ def server(
         start_new_session=True,
         env=(env or {}) | dict(os.environ),  # the caller's settings win
     )
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     try:
-        while not _healthy(url):
+        while not ready():
             if proc.poll() is not None or time.monotonic() > deadline:
                 log.seek(0)
                 tail = log.read()[-2000:]
-                raise RuntimeError(f"{name} not healthy (exit {proc.poll()}):\n{tail}")
+                raise RuntimeError(f"{name} not ready (exit {proc.poll()}):\n{tail}")
             time.sleep(0.3)
-        yield url
+        yield proc
     finally:
         _stop(proc)
         log.close()
 
 
-def _healthy(url: str) -> bool:
+@contextlib.contextmanager
+def server(
+    cmd: list[str], port: int, name: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> Iterator[str]:
+    """Run ``cmd`` (see process); yield its URL once GET /health answers 200."""
+    url = f"http://127.0.0.1:{port}"
+    with process(cmd, name, lambda: healthy(url), env, timeout):
+        yield url
+
+
+def healthy(url: str) -> bool:
+    """Whether GET /health answers 200 at ``url``."""
     with contextlib.suppress(httpx.HTTPError):
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     return False

@@ -279,11 +279,14 @@ def serve(
     port: int = 50051,
     registration: RegistrationOptions | None = None,
     metrics_port: int = 9100,
+    make_executor: Callable[[ExecutorConfig], Executor] = Executor,
 ) -> int:
     """Load the model, then serve until SIGTERM or SIGINT; returns the exit status.
 
     With ``registration`` the executor announces itself in Redis and drains on SIGTERM.
-    Prometheus metrics are served on ``metrics_port`` (0: not at all).
+    Prometheus metrics are served on ``metrics_port`` (0: not at all). ``make_executor``
+    builds the executor on its thread (bench/standin_executor.py: a forward pass that
+    only sleeps, to measure everything around it).
     """
     log.info(
         "executor.loading",
@@ -294,7 +297,7 @@ def serve(
     start = time.perf_counter()
     host_memory.one_malloc_arena()  # before the step thread's first allocation
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
-        executor = thread.submit(Executor, config).result()
+        executor = thread.submit(make_executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
         try:
             asyncio.run(_serve(executor, thread, host, port, registration, metrics_port))

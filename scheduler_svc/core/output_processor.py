@@ -52,13 +52,11 @@ class OutputProcessor:
         """
         for scheduled in out.scheduled:
             group = scheduled.group
-            running = group.get_seqs(SequenceStatus.RUNNING)
             if group.needs_prompt_logprobs:  # one sequence: the prompt is not forked yet
-                scored = samples[running[0].seq_id].prompt_logprobs
-                group.add_prompt_logprobs(running[0].num_computed_tokens + 1, scored)
-            for seq in running:
-                seq.num_computed_tokens = min(self.block_manager.num_slots(seq), seq.get_len())
-            if any(seq.num_computed_tokens < seq.get_len() for seq in running):
+                seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+                scored = samples[seq.seq_id].prompt_logprobs
+                group.add_prompt_logprobs(seq.num_computed_tokens + 1, scored)
+            if not self._count_computed(group):
                 continue  # a prompt chunk: nothing was drawn
             if group.sampling_params.max_tokens == 0:
                 self._finish_unsampled(group)
@@ -76,6 +74,55 @@ class OutputProcessor:
             child.status = SequenceStatus.FINISHED_LENGTH
             group.seqs.append(child)
         self.finish(parent, SequenceStatus.FINISHED_LENGTH)
+
+    @staticmethod
+    def can_process_run(out: SchedulerOutput) -> bool:
+        """Whether ``process_run`` may apply the step: every group draws one sample per
+        step, has no stop string (which needs the text after each token) and scores no
+        prompt."""
+        return all(
+            s.group.sampling_params.width == 1
+            and not s.group.sampling_params.use_beam_search
+            and not s.group.sampling_params.stop
+            and s.group.sampling_params.max_tokens > 0
+            and not s.group.needs_prompt_logprobs
+            for s in out.scheduled
+        )
+
+    def process_run(
+        self, out: SchedulerOutput, outputs: dict[int, SeqOutput]
+    ) -> list[SequenceGroup]:
+        """Apply a call's tokens (one, or one per decode step in a row) sequence by
+        sequence, each up to the token that stops it: what ``process`` does one step at a
+        time, without a pass over every group per step. Only where ``can_process_run``.
+
+        Mutates as ``process``; returns the groups that finished.
+        """
+        for scheduled in out.scheduled:
+            group = scheduled.group
+            if not self._count_computed(group):
+                continue
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                drawn = outputs[seq.seq_id]
+                tops = drawn.top_logprobs or [None] * len(drawn.token_ids)
+                for i, (token_id, logprob, top) in enumerate(
+                    zip(drawn.token_ids, drawn.logprobs, tops, strict=True)
+                ):
+                    if i > 0:  # the token drawn before went in at the next position
+                        seq.num_computed_tokens = seq.get_len()
+                    seq.append_token(token_id, logprob, top)
+                    self._check_stop(seq, group)
+                    if seq.status.is_finished:
+                        break
+        return self.scheduler.free_finished()
+
+    def _count_computed(self, group: SequenceGroup) -> bool:
+        """Count the step's tokens of ``group`` as computed; False for a prompt chunk,
+        which drew nothing."""
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        for seq in running:
+            seq.num_computed_tokens = min(self.block_manager.num_slots(seq), seq.get_len())
+        return all(seq.num_computed_tokens == seq.get_len() for seq in running)
 
     def _process_samples(self, group: SequenceGroup, samples: dict[int, SeqOutput]) -> None:
         for parent in group.get_seqs(SequenceStatus.RUNNING):

@@ -59,6 +59,16 @@ class Sequence:
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def get_token_ids_between(self, start: int, end: int) -> list[int]:
+        """``get_token_ids()[start:end]`` without joining the whole sequence: a decode
+        step takes one token of thousands."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     def append_token(
         self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None
     ) -> None:

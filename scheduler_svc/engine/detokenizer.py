@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from scheduler_svc.core.sequence import Sequence
 
@@ -24,6 +25,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode = _decoder(tokenizer)
 
     def update(self, seq: Sequence) -> str:
         """Decode the sequence's unread tokens; mutates its text and offsets. Returns the delta.
@@ -39,8 +41,8 @@ class Detokenizer:
 
     def _read_to(self, seq: Sequence, end: int) -> str:
         ids = seq.output_token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], True)
-        full = self.tokenizer.decode(ids[seq.prefix_offset : end], True)
+        prefix = self._decode(ids[seq.prefix_offset : seq.read_offset])
+        full = self._decode(ids[seq.prefix_offset : end])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix) :]
@@ -48,6 +50,16 @@ class Detokenizer:
         seq.prefix_offset = seq.read_offset
         seq.read_offset = end
         return delta
+
+
+def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """Decoding without special tokens. Twice per token of every running sequence, so a
+    Hugging Face fast tokenizer that cleans up no spaces is called in its Rust backend
+    directly, which gives the same text without the wrapper's per-call argument handling."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, True)
 
 
 def find_stop(text: str, new_len: int, stop: tuple[str, ...]) -> int | None:

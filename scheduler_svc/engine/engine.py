@@ -267,11 +267,15 @@ class LLMEngine:
             refused = self._end_refused(out, result)
             self._count(out, step)
             outcome.groups = [s.group for s in out.scheduled]
-            stops = [g for g in outcome.groups if g.sampling_params.stop]
-            for samples in _one_step_at_a_time(step, result):
-                outcome.finished += self.processor.process(out, samples)
-                if self.detokenizer is not None and stops:  # may end a run mid-way
-                    self._detokenize(outcome, stops)
+            if self.processor.can_process_run(out):
+                by_seq = {o.seq_id: o for o in result.outputs}
+                outcome.finished += self.processor.process_run(out, by_seq)
+            else:
+                stops = [g for g in outcome.groups if g.sampling_params.stop]
+                for samples in _one_step_at_a_time(step, result):
+                    outcome.finished += self.processor.process(out, samples)
+                    if self.detokenizer is not None and stops:  # may end a run mid-way
+                        self._detokenize(outcome, stops)
             if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
                 self._detokenize(outcome, outcome.groups)
             if any(s.num_steps > 1 for s in step.seqs):  # ended early: slots it did not use
@@ -467,7 +471,7 @@ class LLMEngine:
         end = min(num_slots, seq.get_len())  # short of the length: a prompt chunk
         return SeqStep(
             seq_id=seq.seq_id,
-            new_token_ids=seq.get_token_ids()[seq.num_computed_tokens : end],
+            new_token_ids=seq.get_token_ids_between(seq.num_computed_tokens, end),
             num_computed_tokens=seq.num_computed_tokens,
             block_table=list(self.scheduler.block_manager.get_block_table(seq)),
             sampling_params=params,

@@ -101,18 +101,33 @@ class _Run:
 
 
 def step(
-    scheduler: Scheduler, processor: OutputProcessor, executor: FakeExecutor
+    scheduler: Scheduler,
+    processor: OutputProcessor,
+    executor: FakeExecutor,
+    whole_runs: bool = False,
 ) -> tuple[SchedulerOutput, list[SequenceGroup]]:
-    """Schedule, execute and apply one call; returns it and the groups that finished."""
+    """Schedule, execute and apply one call; returns it and the groups that finished.
+
+    With ``whole_runs`` a call that may be is applied at once (OutputProcessor.process_run),
+    as the engine does, rather than step by step."""
     out = scheduler.schedule()
     finished = list(out.ignored)
-    for samples in executor.execute(out):
+    steps = executor.execute(out)
+    if whole_runs and processor.can_process_run(out):
+        runs: dict[int, SeqOutput] = {}
+        for samples in steps:
+            for seq_id, drawn in samples.items():
+                run = runs.setdefault(seq_id, SeqOutput(seq_id, [], []))
+                run.token_ids += drawn.token_ids
+                run.logprobs += drawn.logprobs
+        return out, finished + processor.process_run(out, runs)
+    for samples in steps:
         finished += processor.process(out, samples)
     return out, finished
 
 
 def run_engine(
-    scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 10_000
+    scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 10_000, whole_runs: bool = False
 ) -> tuple[list[SequenceGroup], list]:
     """Step until nothing is left; returns groups in finishing order and every step's output."""
     processor = OutputProcessor(scheduler, eos_token_id=EOS)
@@ -121,7 +136,7 @@ def run_engine(
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             return finished, outputs
-        out, done = step(scheduler, processor, executor)
+        out, done = step(scheduler, processor, executor, whole_runs)
         outputs.append(out)
         finished += done
         scheduler.block_manager.check_integrity()

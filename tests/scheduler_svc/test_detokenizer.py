@@ -30,3 +30,24 @@ def test_text_is_the_same_however_many_tokens_arrive_at_once(smollm2_dir: Path, 
         assert seq.output_text == tokenizer.decode(ids[: seq.read_offset])
         assert seq.read_offset == max(i for i in complete if i <= end)  # nothing held back
     assert seq.output_text == tokenizer.decode(ids) == TEXT
+
+
+class _CleaningTokenizer:
+    """A fast tokenizer that cleans up spaces: only its own decode knows how."""
+
+    clean_up_tokenization_spaces = True
+
+    class backend_tokenizer:
+        @staticmethod
+        def decode(ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "raw "
+
+    @staticmethod
+    def decode(ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "cleaned" * len(ids)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode() -> None:
+    seq = Sequence(0, [1], [5, 6])
+    Detokenizer(_CleaningTokenizer()).update(seq)
+    assert seq.output_text == "cleanedcleaned"

@@ -234,6 +234,36 @@ def test_decode_steps_in_a_row_draw_what_single_steps_draw(num_gpu_blocks):
     assert calls[1] < calls[0]
 
 
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+@pytest.mark.parametrize("num_gpu_blocks,num_requests", [(256, 4), (40, 20)])  # tight: preempts
+def test_a_call_applied_whole_equals_a_call_applied_step_by_step(
+    num_decode_steps, num_gpu_blocks, num_requests
+):
+    """OutputProcessor.process_run against process, with stops by EOS (inside a run of
+    decode steps too) and by length, and prompt chunks along the way."""
+    results = []
+    for whole_runs in (False, True):
+        scheduler = make_scheduler(
+            num_gpu_blocks=num_gpu_blocks,
+            num_decode_steps=num_decode_steps,
+            max_num_batched_tokens=8,
+            enable_chunked_prefill=True,
+        )
+        groups = [
+            add(scheduler, i, 5 + i % 9, 12 + (i * 5) % 13, ignore_eos=False)
+            for i in range(num_requests)
+        ]
+        eos_after = {"r1": 7, "r2": 4, "r3": 6, "r7": 9}
+        executor = FakeExecutor(scheduler.block_manager, eos_after=eos_after)
+        finished, _ = run_engine(scheduler, executor, whole_runs=whole_runs)
+        assert sorted(g.request_id for g in finished) == sorted(g.request_id for g in groups)
+        assert_pools_full(scheduler)
+        seqs = [s for g in groups for s in g.seqs]
+        results.append([(s.output_token_ids, s.output_logprobs, s.status) for s in seqs])
+        assert [len(g.seqs[0].output_token_ids) for g in groups[1:3]] == [7, 4]  # EOS included
+    assert results[0] == results[1]
+
+
 def test_decode_steps_run_in_a_row_only_for_decodes_with_nothing_waiting():
     scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=4)
     processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)

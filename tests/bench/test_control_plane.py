@@ -1,0 +1,86 @@
+"""The control-plane benchmark: a stand-in executor that sleeps through its forward pass,
+behind the real scheduler with Redis journaling, with both modes of calling it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.control_plane import Sample, figures
+from bench.standin_executor import standin_token
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_figures_of_a_window() -> None:
+    a = Sample(
+        at=10.0,
+        busy_s=1.0,
+        calls=100,
+        tokens=800.0,
+        running=4,
+        scheduler_cpu_s=2.0,
+        executor_cpu_s=1.0,
+        client_cpu_s=0.5,
+    )
+    b = Sample(
+        at=12.0,
+        busy_s=2.6,
+        calls=300,
+        tokens=2400.0,
+        running=4,
+        scheduler_cpu_s=2.5,
+        executor_cpu_s=1.4,
+        client_cpu_s=0.6,
+    )
+    f = figures(a, b, num_seqs=8, step_ms=5.0)
+    assert f["busy_fraction"] == 0.8 and f["calls"] == 200 and f["decode_steps"] == 200
+    assert (
+        f["forward_fraction"] == 0.5
+        and f["decode_steps_per_s"] == 100
+        and f["gap_ms_per_call"] == pytest.approx(2.0)
+    )
+    assert f["scheduler_cpu_ms_per_call"] == 2.5 and f["scheduler_cpu_cores"] == 0.25
+    assert f["client_cpu_cores"] == pytest.approx(0.05)
+    assert f["executor_cpu_ms_per_call"] == pytest.approx(2.0)
+
+
+def test_standin_tokens_depend_on_sequence_and_position_only() -> None:
+    assert standin_token(3, 70) == standin_token(3, 70)
+    assert len({standin_token(3, p) for p in range(100)}) == 100
+    assert standin_token(3, 70) != standin_token(4, 70)
+
+
+def test_control_plane_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    out = tmp_path / "cp.json"
+    cmd = [sys.executable, str(ROOT / "bench/control_plane.py"), f"--model={tiny_chat_model_dir}"]
+    cmd += ["--step-ms=5", "--seqs=2,6", "--decode-steps=1,4", "--warmup=0.3", "--window=1"]
+    cmd += ["--prompt-len=16", "--max-tokens=256", "--max-model-len=1024"]
+    cmd += ["--num-gpu-blocks=1024", f"--json={out}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 steps in a row" in done.stdout and "sched CPU ms/call" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["machine"]["cpu"] and result["targets"]["one_step"] == 0.9
+    runs = result["runs"]
+    assert [(r["num_decode_steps"], r["num_seqs"]) for r in runs] == [
+        (1, 2),
+        (1, 6),
+        (4, 2),
+        (4, 6),
+    ]
+    for r in runs:
+        assert 0 < r["busy_fraction"] <= 1 and r["calls"] > 0 and r["decode_steps"] > 0
+        assert 0 < r["forward_fraction"] <= r["busy_fraction"] + 0.05
+        assert r["scheduler_cpu_ms_per_call"] > 0 and r["gap_ms_per_call"] >= 0
+        assert r["executor_cpu_ms_per_call"] > 0
+        assert r["running_at_end"] <= r["num_seqs"]
+        if r["num_decode_steps"] == 1:  # a call computes one token per sequence at most
+            assert r["decode_steps"] <= r["calls"] + 2
+        else:
+            assert r["decode_steps"] > 1.5 * r["calls"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
