@@ -67,6 +67,7 @@ class CompletionRequest(Sampling):
     )
     logprobs: int | None = Field(None, ge=0, description="alternatives per token")
     echo: bool = Field(False, description="the prompt before the completion; one prompt")
+    tools: list[dict[str, Any]] | None = Field(None, description="chat only: a 400 here")
 
 
 class TextPart(BaseModel):
