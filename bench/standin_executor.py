@@ -43,6 +43,7 @@ class SleepingRunner(ModelRunner):
     def __init__(self, step_s: float) -> None:  # no model, pools or sampler to hold
         self.step_s = step_s
         self.shard = None
+        self.grammars = None  # a structured output is refused, as by a model without text
 
     def _forward(self, seqs: list[SeqStep]) -> list[SeqOutput]:
         if not seqs:
