@@ -66,6 +66,8 @@ def start(args: list[str], log_name: str, env: dict[str, str] | None = None) -> 
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Return once ``url`` answers /health; a process that does not get there is stopped
+    before the error is raised, so a failed start leaves nothing running."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -77,6 +79,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> No
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
         if time.monotonic() > deadline:
+            stop(proc)
             raise TimeoutError(f"{url} not healthy after {timeout} s")
         time.sleep(0.3)
 

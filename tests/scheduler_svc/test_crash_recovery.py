@@ -240,14 +240,15 @@ def test_executor_kill_9_is_a_delay_not_an_error(
     port = free_port()
     args = executor_args(tiny_chat_model_dir, port)
     executor = start(args, f"executor-{port}.log")
-    proc, url = scheduler(redis_url, f"127.0.0.1:{port}", f"{namespace}-executor")
-    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     results: dict[int, httpx.Response] = {}
 
     def client(i: int) -> None:
         results[i] = httpx.post(f"{url}/v1/completions", json=body(model, PROMPTS[i]), timeout=120)
 
-    try:
+    proc = None
+    try:  # the executor is stopped also when the scheduler does not start
+        proc, url = scheduler(redis_url, f"127.0.0.1:{port}", f"{namespace}-executor")
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         with httpx.stream(
             "POST", f"{url}/v1/completions", json=body(model, PROMPTS[0], True), timeout=120
         ) as first:
@@ -271,7 +272,8 @@ def test_executor_kill_9_is_a_delay_not_an_error(
         assert [results[i].json()["choices"][0]["text"] for i in (1, 2)] == reference[1:]
         assert text == reference[0] and used_blocks(url) == 0
     finally:
-        stop(proc)
+        if proc is not None:
+            stop(proc)
         stop(executor)
 
 
