@@ -66,11 +66,17 @@ def deployment(tiny_chat_model_dir: Path, redis_server: RedisServer):
 
 
 def stream_during(url: str, fault) -> list[str]:
-    """The streams of PROMPTS, with ``fault()`` run once generation is under way."""
+    """The streams of PROMPTS, with ``fault()`` run once every one is in the engine and
+    generation is under way (a request sent during the outage is refused, rightly)."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         before = metric(url, "generation_tokens_total")
         texts = [pool.submit(stream_text, url, p) for p in PROMPTS]
-        wait_until(lambda: metric(url, "generation_tokens_total") > before + 12, 60, "tokens")
+
+        def under_way() -> bool:
+            tokens = metric(url, "generation_tokens_total")
+            return metric(url, "num_requests") >= len(PROMPTS) and tokens > before + 12
+
+        wait_until(under_way, 60, "every stream under way")
         fault()
         return [t.result() for t in texts]
 
