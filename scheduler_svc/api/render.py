@@ -214,7 +214,7 @@ class Renderer:
         return {
             "tokens": tokens,
             "token_logprobs": logprobs,
-            "top_logprobs": tops if self.parsed.logprobs and tops else None,
+            "top_logprobs": tops,
             "text_offset": offsets if tokens else [],
         }
 

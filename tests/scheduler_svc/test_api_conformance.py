@@ -48,6 +48,7 @@ COMPLETIONS = {
         "seed": 3,
     },
     "token ids, greedy": {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
+    "logprobs 0": {"prompt": [0], "max_tokens": 3, "logprobs": 0},
 }
 CHATS = {
     "plain": {"max_tokens": 5},
