@@ -167,11 +167,17 @@ def _probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     return probs
 
 
+# Top-k and top-p look for their survivors among this many most likely tokens (a partial
+# sort); a row sorts its whole vocabulary only when its nucleus reaches past them.
+NUM_CANDIDATES = 1024
+
+
 def _truncated_probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Renormalised probabilities after top-k, then top-p over what top-k kept, then min-p.
 
-    The most likely token always survives. Every row takes the same ops whatever its
-    neighbours ask for, so a row's result never depends on the batch.
+    The most likely token always survives. Which path a row takes (candidates or a full
+    sort) depends on its own parameters and logits only, so a row's result never depends
+    on the batch.
 
     Args:
         logprobs: ``[num_rows, vocab_size]`` scaled log-probabilities.
@@ -179,25 +185,72 @@ def _truncated_probs(logprobs: torch.Tensor, params: list[SamplingParams]) -> to
         ``[num_rows, vocab_size]``.
     """
     device, vocab_size = logprobs.device, logprobs.shape[1]
-    top_k = torch.tensor(
-        [p.top_k if p.top_k > 0 else vocab_size for p in params], device=device
-    ).unsqueeze(1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
     # top_p 1.0 means off: a bound above any cumulative sum, rounding included.
     top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    keep = _nucleus(logprobs, top_k, top_p)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        probs = logprobs.exp()
+        keep &= probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    return logprobs.masked_fill(~keep, float("-inf")).softmax(dim=-1)
 
-    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=device)
-    drop_sorted = ranks >= top_k  # [num_rows, vocab_size]
-    sorted_probs = sorted_logprobs.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+
+def _nucleus(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """What top-k and then top-p keep, ``[num_rows, vocab_size]`` bool: found among the
+    ``NUM_CANDIDATES`` most likely tokens, where a row's survivors all lie when its top-k
+    is within them or the candidates' mass already reaches its top-p."""
+    vocab_size = logprobs.shape[1]
+    width = min(NUM_CANDIDATES, vocab_size)
+    values, order = logprobs.topk(width, dim=-1)  # descending
+    within_k = top_k <= width
+    # Top-k renormalises over the k it keeps; without top-k, over the whole vocabulary.
+    total = torch.where(
+        within_k,
+        _masked_ranks(values, top_k).logsumexp(dim=-1),
+        logprobs.logsumexp(dim=-1),
+    )
+    keep_sorted = _kept_ranks(values.sub(total.unsqueeze(1)).exp(), top_k, top_p)
+    keep = torch.zeros_like(logprobs, dtype=torch.bool).scatter(1, order, keep_sorted)
+
+    if width == vocab_size:
+        return keep
+    no_top_k = top_k >= vocab_size
+    keep[no_top_k & (top_p > 1)] = True  # neither top-k nor top-p: nothing dropped
+    # A top-k past the candidates, or a nucleus that may reach past them (the last one kept).
+    to_sort = ~within_k & ~no_top_k | no_top_k & (top_p <= 1) & keep_sorted[:, -1]
+    if bool(to_sort.any()):
+        rows = to_sort.nonzero().squeeze(1)
+        keep[rows] = _sorted_nucleus(logprobs[rows], top_k[rows], top_p[rows])
+    return keep
+
+
+def _masked_ranks(sorted_values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    ranks = torch.arange(sorted_values.shape[1], device=sorted_values.device)
+    return sorted_values.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+
+
+def _kept_ranks(
+    sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Ranks top-k and top-p keep, given probabilities in descending order (top-k's
+    renormalisation already applied)."""
+    ranks = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)
+    sorted_probs = sorted_probs.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted |= mass_before >= top_p.unsqueeze(1)
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    keep = (ranks < top_k.unsqueeze(1)) & (mass_before < top_p.unsqueeze(1))
+    keep[:, 0] = True
+    return keep
 
-    probs = logprobs.exp()
-    drop |= probs < min_p * probs.max(dim=-1, keepdim=True).values
-    return logprobs.masked_fill(drop, float("-inf")).softmax(dim=-1)
+
+def _sorted_nucleus(
+    logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The same as ``_nucleus`` by sorting every row's whole vocabulary."""
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    sorted_probs = _masked_ranks(sorted_logprobs, top_k).softmax(dim=-1)
+    keep_sorted = _kept_ranks(sorted_probs, top_k, top_p)
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
 
 def _inverse_cdf(probs: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc import sampler as sampler_module
 from executor_svc.sampler import Sampler, derive_seed
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SeqStep
@@ -284,3 +285,46 @@ def test_mixed_batch_returns_each_rows_sample_count() -> None:
     assert [len(o.logprobs) for o in outs] == [1, 6, 3, 2]
     assert all(0 <= t < VOCAB for o in outs for t in o.token_ids)
     assert Sampler()(torch.empty(0, VOCAB), []) == []
+
+
+def sorted_reference(
+    logprobs: torch.Tensor, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """Top-k, then top-p over what top-k kept, then min-p, by sorting the whole row."""
+    sorted_logprobs, order = logprobs.sort(descending=True)
+    k = top_k if top_k > 0 else len(logprobs)
+    sorted_probs = sorted_logprobs[:k].softmax(dim=-1)
+    kept = int(((sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p).sum()) if top_p < 1 else k
+    keep = torch.zeros_like(logprobs, dtype=torch.bool)
+    keep[order[: max(kept, 1)]] = True
+    probs = logprobs.exp()
+    keep &= probs >= min_p * probs.max()
+    return logprobs.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+
+
+TRUNCATIONS = {
+    "peaked top_p": (8.0, {"top_p": 0.9}),  # nucleus well inside the candidates
+    "flat top_p": (0.05, {"top_p": 0.9}),  # nucleus reaching past them: a full sort
+    "top_k within": (1.0, {"top_k": 5, "top_p": 0.8}),
+    "top_k past": (0.05, {"top_k": 3000, "top_p": 0.5}),
+    "min_p only": (1.0, {"min_p": 0.3}),
+}
+
+
+def test_partial_sort_truncates_as_a_full_sort_does() -> None:
+    vocab = 4 * sampler_module.NUM_CANDIDATES
+    rows = [
+        scale * random_logits(1, seed=i, vocab=vocab)
+        for i, (scale, _) in enumerate(TRUNCATIONS.values())
+    ]
+    logprobs = torch.cat(rows).log_softmax(dim=-1)
+    params = [SamplingParams(**p) for _, p in TRUNCATIONS.values()]
+    probs = sampler_module._truncated_probs(logprobs, params)
+    for row, p in enumerate(params):
+        expected = sorted_reference(logprobs[row], p.top_k, p.top_p, p.min_p)
+        assert torch.equal(probs[row] > 0, expected > 0), list(TRUNCATIONS)[row]
+        torch.testing.assert_close(probs[row], expected)
+    alone = [
+        sampler_module._truncated_probs(logprobs[i : i + 1], [p]) for i, p in enumerate(params)
+    ]
+    assert torch.equal(torch.cat(alone), probs)  # a row's path ignores its neighbours
