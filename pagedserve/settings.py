@@ -254,6 +254,14 @@ class SchedulerOptions:
         ),
     )
     tokenizer: str | None = field(default=None, metadata=_help("default: the executor's model"))
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "defaults for the sampling fields a request leaves out: 'auto' takes the "
+            "generation_config.json beside the tokenizer (as vLLM does), 'vllm' only the "
+            "built-in ones, or a directory holding a generation_config.json"
+        ),
+    )
     routing: str = field(
         default="prefix",
         metadata=_help(

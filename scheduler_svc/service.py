@@ -13,7 +13,7 @@ import uvicorn
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.registry import ExecutorRegistry
 from pagedserve.settings import ApiConfig, SchedulerOptions
-from scheduler_svc.api.admission import ModelCard
+from scheduler_svc.api.admission import ModelCard, sampling_defaults
 from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, build_app
@@ -56,11 +56,13 @@ class EngineFactory:
         _wait_for_answer(client, options.connect_timeout_s)
         info = client.init_cache()  # a restarted scheduler gets the same pools
         if self.card is None:
-            tokenizer = load_tokenizer(resolve_model(options.tokenizer or info.model))
+            files = resolve_model(options.tokenizer or info.model)
+            tokenizer = load_tokenizer(files)
             if tokenizer is None:
                 raise ValueError(f"no tokenizer for {info.model}: pass --tokenizer PATH")
             self.tokenizer = tokenizer
-            self.card = ModelCard(info.model, info.vocab_size, info.max_model_len)
+            defaults = sampling_defaults(options.generation_config, files)
+            self.card = ModelCard(info.model, info.vocab_size, info.max_model_len, defaults)
         elif info.model != self.card.name:
             raise ValueError(f"executor {address} serves {info.model}, not {self.card.name}")
         cache_config, scheduler_config = options.engine.configs(info)

@@ -167,7 +167,8 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
         """Request id, prompt token ids and sampling params of a request that can run; raise
         APIError (503 while the executor is away past the budget, as HTTP does, else 400)."""
         check_executor(self.engine, self.config)
-        parsed = parse_completion(request_to_body(request, self.card.name), self.config, False)
+        body = request_to_body(request, self.card.name)
+        parsed = parse_completion(body, self.config, False, defaults=self.card.sampling_defaults)
         (prompt_ids,) = tokenize_prompts(self.tokenizer, self.card.vocab_size, parsed)
         check_fits(self.engine, len(prompt_ids), parsed.params)
         return parsed.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, parsed.params

@@ -59,7 +59,13 @@ class Api:
         body = decode_body(await read_body(request, self.config.max_body_bytes))
         if wants_grammar(body):
             await asyncio.to_thread(load_engine)  # a few seconds once: not on the event loop
-        parsed = parse_completion(body, self.config, chat, request.headers.get("x-request-timeout"))
+        parsed = parse_completion(
+            body,
+            self.config,
+            chat,
+            request.headers.get("x-request-timeout"),
+            self.card.sampling_defaults,
+        )
         if parsed.params.grammar is not None and self.tokenizer is None:
             raise APIError(400, "structured outputs need the model's tokenizer", param="model")
         check_model(self.card.name, parsed.model)
