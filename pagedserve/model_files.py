@@ -81,6 +81,23 @@ def _dequantised_dir(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights: those its index
+    (``model.safetensors.index.json``) maps tensors to when it has one -- a repository may
+    also ship the same weights consolidated in another file -- else every one there."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not there: {missing}")
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
 def load_config(path: Path) -> Any:
     """The checkpoint's transformers config; refuses architectures we do not implement."""
     from transformers import AutoConfig
