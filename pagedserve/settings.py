@@ -254,6 +254,10 @@ class SchedulerOptions:
         ),
     )
     tokenizer: str | None = field(default=None, metadata=_help("default: the executor's model"))
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help("a Jinja chat template file, instead of the one the tokenizer ships"),
+    )
     generation_config: str = field(
         default="auto",
         metadata=_help(

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -60,6 +61,8 @@ class EngineFactory:
             tokenizer = load_tokenizer(files)
             if tokenizer is None:
                 raise ValueError(f"no tokenizer for {info.model}: pass --tokenizer PATH")
+            if options.chat_template is not None:
+                tokenizer.chat_template = Path(options.chat_template).read_text()
             self.tokenizer = tokenizer
             defaults = sampling_defaults(options.generation_config, files)
             self.card = ModelCard(info.model, info.vocab_size, info.max_model_len, defaults)

@@ -102,6 +102,13 @@ def chat_prompt_ids(
     """A chat's prompt: the messages through the model's chat template (given
     ``template_args``, e.g. its tools), then encoded (the template writes its own special
     tokens, so none are added by default)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            "this model has no chat template: use /v1/completions, or start the server with "
+            "--chat-template FILE",
+            param="messages",
+        )
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_args
     )

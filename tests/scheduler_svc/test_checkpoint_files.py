@@ -1,5 +1,6 @@
-"""A checkpoint's generation_config.json fills the sampling fields a request leaves out,
-as vLLM applies it; `--generation-config vllm` keeps the built-in defaults."""
+"""What a checkpoint's files set for the API: generation_config.json fills the sampling
+fields a request leaves out, as vLLM applies it (`--generation-config vllm` keeps the
+built-in defaults), and the chat template (`--chat-template FILE` replaces it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.model_files import load_generation_defaults
+from pagedserve.model_files import load_generation_defaults, load_tokenizer
 from pagedserve.settings import ApiConfig
-from scheduler_svc.api.admission import sampling_defaults
+from scheduler_svc.api.admission import chat_prompt_ids, sampling_defaults
+from scheduler_svc.api.errors import APIError
 from scheduler_svc.api.protocol import parse_completion
 from tests.services import serve
 
@@ -78,13 +80,29 @@ def configured_model(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPat
     return with_generation_config(path, temperature=0.0, max_new_tokens=5)
 
 
+def test_a_model_without_a_chat_template_refuses_chats(tiny_chat_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_chat_model_dir)
+    tokenizer.chat_template = None
+    with pytest.raises(APIError, match="--chat-template") as refused:
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
+    assert (refused.value.status, refused.value.param) == (400, "messages")
+
+
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
 @pytest.mark.parametrize("flag, num_tokens", [("auto", 5), ("vllm", 16)])
 def test_a_served_checkpoint_answers_with_its_defaults(
-    configured_model: Path, flag: str, num_tokens: int
+    configured_model: Path, tmp_path: Path, flag: str, num_tokens: int
 ) -> None:
-    with serve(configured_model, "--num-gpu-blocks", "64", "--generation-config", flag) as url:
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    flags = ["--generation-config", flag, "--chat-template", str(tmp_path / "chat.jinja")]
+    with serve(configured_model, "--num-gpu-blocks", "64", *flags) as url:
         body = {"model": str(configured_model), "prompt": "The harbour", "ignore_eos": True}
         answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        tokens = httpx.post(f"{url}/tokenize", json=chat, timeout=60).json()["tokens"]
+    assert tokens == load_tokenizer(configured_model).encode("<<Hi>>", add_special_tokens=False)
     for answer in answers:
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == num_tokens
