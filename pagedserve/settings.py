@@ -211,12 +211,19 @@ class ApiConfig:
 
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=8000, metadata=_help("HTTP port"))
-    api_key: str | None = field(
-        default=None,
+    api_keys: tuple[str, ...] = field(
+        default=(),
         metadata=_help(
-            "require 'Authorization: Bearer KEY' on every route but /health and the "
-            "/dashboard page (PAGEDSERVE_API_KEY keeps it out of the process list)"
+            "an accepted API key, repeatable: 'Authorization: Bearer KEY' is then required "
+            "on every route but /health, /docs, /openapi.json and the /dashboard page, and "
+            "on the gRPC front door. A key on the command line shows in ps: prefer "
+            "--api-key-file or PAGEDSERVE_API_KEY=KEY1,KEY2",
+            flag="api_key",
         ),
+    )
+    api_key_file: str | None = field(
+        default=None,
+        metadata=_help("file of accepted API keys, one a line (# comments), with --api-key's"),
     )
     max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
     max_prompts: int = field(
@@ -235,6 +242,8 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if any(not key or "," in key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty, without commas or outer spaces")
         if min(self.max_n, self.max_prompts, self.max_body_bytes) < 1 or self.max_logprobs < 0:
             raise ValueError(
                 "max_n, max_prompts and max_body_bytes >= 1 and max_logprobs >= 0 required"

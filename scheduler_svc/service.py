@@ -17,6 +17,7 @@ from scheduler_svc.api.admission import ModelCard
 from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, build_app
+from scheduler_svc.api.keys import ApiKeys
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import IdCounter, LLMEngine
@@ -130,6 +131,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     """
     # Lane steps, store and registry calls each hold a worker thread while they wait.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(64, "pagedserve"))
+    keys = ApiKeys.from_config(api_config)  # a bad key file stops the start, not a request
     store = open_store(options)
     registry = None
     if options.state_store is not None:
@@ -161,10 +163,11 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     )
     await async_engine.start()
     tokenizer, card = factory.tokenizer, factory.card
-    app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render, dashboard)
+    api = Api(async_engine, tokenizer, card, api_config, keys)
+    app = build_app(api, metrics.render, dashboard)
     frontdoor = None
     if options.grpc_port is not None:
-        servicer = FrontDoorServicer(async_engine, tokenizer, card, api_config)
+        servicer = FrontDoorServicer(async_engine, tokenizer, card, api_config, keys)
         frontdoor = await start_frontdoor(servicer, api_config.host, options.grpc_port)
     config = uvicorn.Config(
         app, host=api_config.host, port=api_config.port, log_level="warning", lifespan="off"
