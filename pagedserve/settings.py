@@ -251,6 +251,66 @@ class ApiConfig:
 
 
 @dataclass(frozen=True)
+class TlsOptions:
+    """TLS of the gRPC ports a process serves and of the executors a scheduler dials."""
+
+    tls_cert: str | None = field(
+        default=None,
+        metadata=_help(
+            "PEM certificate (chain) this process serves its gRPC port(s) with, and a "
+            "scheduler presents to executors as its client certificate"
+        ),
+    )
+    tls_key: str | None = field(default=None, metadata=_help("PEM private key of --tls-cert"))
+    tls_ca: str | None = field(
+        default=None,
+        metadata=_help(
+            "PEM CA certificates: an executor then requires client certificates signed by "
+            "them (mutual TLS); a scheduler checks executors' certificates against them "
+            "(default: the system's roots) and, with --tls-client-auth, its own clients'"
+        ),
+    )
+    tls_client_auth: bool = field(
+        default=False,
+        metadata=_help(
+            "scheduler: its gRPC front door (and HTTP with --tls-http) also requires client "
+            "certificates signed by --tls-ca"
+        ),
+    )
+    tls_http: bool = field(
+        default=False, metadata=_help("scheduler: serve the HTTP API over TLS with --tls-cert")
+    )
+    tls_server_name: str | None = field(
+        default=None,
+        metadata=_help(
+            "scheduler: the name executors' certificates must carry (default: the host "
+            "dialled; set it where executors register by IP)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if (self.tls_client_auth or self.tls_http) and self.tls_cert is None:
+            raise ValueError("--tls-client-auth and --tls-http need --tls-cert and --tls-key")
+        if self.tls_client_auth and self.tls_ca is None:
+            raise ValueError("--tls-client-auth needs --tls-ca")
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def dials_tls(self) -> bool:
+        """Whether executors are dialled over TLS: with a certificate or a CA to check."""
+        return self.tls_cert is not None or self.tls_ca is not None
+
+
+# What an executor takes of TlsOptions: it always requires client certificates given a CA.
+SCHEDULER_ONLY_TLS = ("tls_client_auth", "tls_http", "tls_server_name")
+
+
+@dataclass(frozen=True)
 class SchedulerOptions:
     """The scheduler process: where its executors and its state are, and how it leads."""
 
@@ -310,6 +370,7 @@ class SchedulerOptions:
         ),
     )
     engine: EngineOptions = field(default_factory=EngineOptions)
+    tls: TlsOptions = field(default_factory=TlsOptions)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:

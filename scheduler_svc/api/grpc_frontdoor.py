@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from pagedserve.rpc import GRPC_OPTIONS
+from pagedserve.rpc.tls import add_port
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1 import frontdoor_pb2_grpc
 from pagedserve.sampling_params import SamplingParams
@@ -208,12 +209,18 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
         return pb.AbortResponse(aborted=self.engine.abort(request.request_id, self.owner(context)))
 
 
-async def start_frontdoor(servicer: FrontDoorServicer, host: str, port: int) -> grpc.aio.Server:
-    """Serve ``servicer`` on host:port (GRPC_OPTIONS message limits); returns the started server."""
+async def start_frontdoor(
+    servicer: FrontDoorServicer,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> grpc.aio.Server:
+    """Serve ``servicer`` on host:port (GRPC_OPTIONS message limits; TLS with
+    ``credentials``); returns the started server."""
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[Gate(servicer.keys)])
     frontdoor_pb2_grpc.add_FrontDoorServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = add_port(server, address, credentials)
     await server.start()
     log.info("gRPC front door serving", address=address, port=bound)
     return server
