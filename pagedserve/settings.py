@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 
 from pagedserve.model_info import ModelInfo
+from pagedserve.redis_url import check_redis_url
 
 
 class PreemptionMode(enum.Enum):
@@ -250,6 +251,13 @@ class ApiConfig:
             )
 
 
+REDIS_URL_HELP = (
+    "redis:// or rediss:// (TLS) URL: redis[s]://[USER:PASSWORD@]HOST:PORT/DB, USER an ACL "
+    "user; ?ssl_ca_certs=PEM (and ssl_certfile, ssl_keyfile) for a private CA. A password "
+    "here shows in ps: pass the URL as PAGEDSERVE_STATE_STORE instead"
+)
+
+
 @dataclass(frozen=True)
 class TlsOptions:
     """TLS of the gRPC ports a process serves and of the executors a scheduler dials."""
@@ -333,7 +341,7 @@ class SchedulerOptions:
     )
     state_store: str | None = field(
         default=None,
-        metadata=_help("redis://HOST:PORT/DB to survive restarts; default: in this process"),
+        metadata=_help("Redis to survive restarts; default: in this process. A " + REDIS_URL_HELP),
     )
     namespace: str = field(default="pagedserve", metadata=_help("Redis key prefix"))
     lease_ttl: float = field(
@@ -375,6 +383,8 @@ class SchedulerOptions:
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
+        if self.state_store is not None:
+            check_redis_url(self.state_store)
 
 
 @dataclass(frozen=True)
@@ -383,8 +393,8 @@ class RegistrationOptions:
 
     state_store: str = field(
         metadata=_help(
-            "redis://HOST:PORT/DB: register there for schedulers to find (and drain on "
-            "SIGTERM); default: no registration, schedulers dial --executor"
+            "Redis to register in for schedulers to find (and drain on SIGTERM); default: "
+            "no registration, schedulers dial --executor. A " + REDIS_URL_HELP
         )
     )
     namespace: str = field(default="pagedserve", metadata=_help("Redis key prefix"))
@@ -399,6 +409,9 @@ class RegistrationOptions:
         ),
     )
     heartbeat_ttl_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        check_redis_url(self.state_store)
 
     def address(self, host: str, port: int) -> str:
         """The address to register: the advertised one, else the listen address (a

@@ -12,6 +12,7 @@ import structlog
 import uvicorn
 
 from pagedserve.model_files import load_tokenizer, resolve_model
+from pagedserve.redis_url import redacted
 from pagedserve.registry import ExecutorRegistry
 from pagedserve.rpc.tls import server_credentials
 from pagedserve.settings import ApiConfig, SchedulerOptions, TlsOptions
@@ -90,11 +91,9 @@ class EngineFactory:
 def open_store(options: SchedulerOptions) -> StateStore:
     if options.state_store is None:
         return InMemoryStateStore()
-    if not options.state_store.startswith("redis://"):
-        raise ValueError(f"--state-store must be a redis:// URL, got {options.state_store!r}")
     store = RedisStateStore(options.state_store, options.namespace)
     if not store.ping():
-        raise ValueError(f"no Redis answers at {options.state_store}")
+        raise ValueError(f"no Redis answers at {redacted(options.state_store)}")
     return store
 
 
