@@ -231,7 +231,7 @@ async def _serve(
     port: int,
     registration: RegistrationOptions | None,
     metrics_port: int = 0,
-    tls: TlsOptions | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     health = health_aio.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -242,7 +242,6 @@ async def _serve(
     pb_grpc.add_ExecutorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{host}:{port}"
-    credentials = None if tls is None else server_credentials(tls, tls.tls_ca is not None)
     try:
         bound = add_port(server, address, credentials)
     except RuntimeError as e:  # grpc's way of saying the address is taken or invalid
@@ -299,13 +298,17 @@ def serve(
         device=config.device,
         tensor_parallel_size=config.tensor_parallel_size,
     )
+    # Read before the model loads: a missing certificate fails the start at once.
+    credentials = None if tls is None else server_credentials(tls, tls.tls_ca is not None)
     start = time.perf_counter()
     host_memory.one_malloc_arena()  # before the step thread's first allocation
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
         executor = thread.submit(make_executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
         try:
-            asyncio.run(_serve(executor, thread, host, port, registration, metrics_port, tls))
+            asyncio.run(
+                _serve(executor, thread, host, port, registration, metrics_port, credentials)
+            )
         except OSError as e:
             log.error("executor.failed", error=str(e))
             return 1

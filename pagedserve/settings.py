@@ -305,10 +305,6 @@ class TlsOptions:
             raise ValueError("--tls-client-auth needs --tls-ca")
 
     @property
-    def serves_tls(self) -> bool:
-        return self.tls_cert is not None
-
-    @property
     def dials_tls(self) -> bool:
         """Whether executors are dialled over TLS: with a certificate or a CA to check."""
         return self.tls_cert is not None or self.tls_ca is not None

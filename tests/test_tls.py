@@ -70,6 +70,18 @@ def test_tls_flags_that_cannot_work_are_refused() -> None:
             TlsOptions(**bad)
 
 
+def test_an_executor_asked_for_client_certificates_without_its_own_does_not_start(
+    pki: SimpleNamespace, tiny_model_dir: Path
+) -> None:
+    args = ["executor", "--model", str(tiny_model_dir), "--port", str(free_port())]
+    proc = start([*args, "--tls-ca", pki.ca], f"executor-tls-ca-only-{free_port()}.log")
+    try:
+        assert proc.wait(timeout=120) == 2  # before the model loads
+    finally:
+        stop(proc)
+    assert "need --tls-cert and --tls-key" in proc.log_path.read_text()
+
+
 def answers(address: str, tls: TlsOptions | None) -> bool:
     client = ExecutorClient(address, tls=tls)
     try:
