@@ -104,6 +104,10 @@ def test_the_executor_takes_only_clients_with_a_certificate_of_its_ca(served, pk
     # ... and the client checks the executor: one that trusts only the other CA refuses it.
     wary = TlsOptions(tls_cert=client_cert, tls_key=client_key, tls_ca=pki.other_ca)
     assert not answers(served.executor, wary)
+    # --tls-server-name: the name checked instead of the address dialled.
+    for name, ok in (("localhost", True), ("elsewhere.example", False)):
+        named = TlsOptions(client_cert, client_key, pki.ca, tls_server_name=name)
+        assert answers(served.executor, named) is ok
 
 
 def test_text_comes_back_over_https_with_a_client_certificate(served, pki) -> None:
