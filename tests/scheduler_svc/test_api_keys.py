@@ -4,6 +4,7 @@ every door, nothing else does, and no key shows in the process list or the logs.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,6 +77,20 @@ def test_the_grpc_door_takes_every_key(keyed) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(request, metadata=(("authorization", "Bearer wrong"),)))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_key_aborts_only_its_own_requests(keyed) -> None:
+    stub = FrontDoorStub(keyed.channel)
+    request = pb.GenerateRequest(text="Tell a long story", max_tokens=900, ignore_eos=True)
+    request.request_id = f"owned-{uuid.uuid4().hex}"
+    owner, other = ((("authorization", f"Bearer {k}"),) for k in (ENV_KEYS[0], FILE_KEYS[0]))
+    stream = stub.Generate(request, metadata=owner)
+    next(stream)  # running
+    abort = pb.AbortRequest(request_id=request.request_id)
+    assert not stub.Abort(abort, metadata=other).aborted
+    assert stub.Abort(abort, metadata=owner).aborted
+    last = list(stream)[-1]
+    assert last.usage.completion_tokens < request.max_tokens
 
 
 def test_no_key_shows_in_the_process_list_or_the_logs(keyed) -> None:
