@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,19 +47,6 @@ def sampling_defaults(choice: str, model_files: Path) -> dict[str, float | int]:
     if defaults:
         log.info("sampling defaults from generation_config.json", **defaults)
     return defaults
-
-
-def authorized(sent: bytes, key: str) -> bool:
-    """Whether an Authorization value carries ``key``; constant time, so the time taken
-    tells nothing of how much of a guess was right."""
-    return hmac.compare_digest(sent, f"Bearer {key}".encode())
-
-
-def owner_of(key: str | None) -> str:
-    """Who a request recorded with this API key belongs to: a short hash of the key ("" on
-    a server without one). With one shared key every holder of it is the same owner and
-    may see (and abort) every request; separate owners come with one key per client."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
 def check_executor(engine: AsyncEngine, config: ApiConfig) -> None:
