@@ -232,6 +232,17 @@ class ApiConfig:
     )
     max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))
     max_body_bytes: int = field(default=4 << 20, metadata=_help("largest request body"))
+    max_stops: int = field(
+        default=16, metadata=_help("most stop strings, and most stop_token_ids, in a request")
+    )
+    max_messages: int = field(default=1024, metadata=_help("most messages in a chat request"))
+    max_requests_per_key: int = field(
+        default=256,
+        metadata=_help(
+            "most completions one API key may have in flight at once (streaming or not; "
+            "0: no limit); without keys, --max-waiting-requests alone bounds the queue"
+        ),
+    )
     executor_budget_s: float = field(
         default=30.0,
         metadata=_help(
@@ -245,9 +256,11 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if any(not key or "," in key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty, without commas or outer spaces")
-        if min(self.max_n, self.max_prompts, self.max_body_bytes) < 1 or self.max_logprobs < 0:
+        limits = (self.max_n, self.max_prompts, self.max_body_bytes, self.max_messages)
+        if min(limits) < 1 or min(self.max_logprobs, self.max_stops, self.max_requests_per_key) < 0:
             raise ValueError(
-                "max_n, max_prompts and max_body_bytes >= 1 and max_logprobs >= 0 required"
+                "max_n, max_prompts, max_body_bytes and max_messages >= 1 and max_logprobs, "
+                "max_stops and max_requests_per_key >= 0 required"
             )
 
 

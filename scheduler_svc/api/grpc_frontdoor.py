@@ -190,14 +190,15 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
         (logged). A client that cancels (or goes away) closes this generator, which aborts
         the request.
         """
-        request_id = None
+        request_id, owner = None, self.owner(context)
         try:
-            request_id, prompt_ids, params = self.validate(request)
-            reply = _Reply(request_id, len(prompt_ids), self.tokenizer)
-            deltas = self.engine.generate(request_id, prompt_ids, params, owner=self.owner(context))
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield reply.response(delta)
+            with self.keys.hold(owner):
+                request_id, prompt_ids, params = self.validate(request)
+                reply = _Reply(request_id, len(prompt_ids), self.tokenizer)
+                deltas = self.engine.generate(request_id, prompt_ids, params, owner=owner)
+                async with contextlib.aclosing(deltas):
+                    async for delta in deltas:
+                        yield reply.response(delta)
         except Exception as e:
             error = client_error(e, request_id)
             await context.abort(_status_code(error.status), _message(error))

@@ -211,6 +211,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
 
 # No API key: no request data behind them (/docs reads /openapi.json from the browser).
 OPEN_PATHS = ("/health", "/dashboard", "/docs", "/openapi.json")
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class ApiKeyCheck:
@@ -233,6 +234,15 @@ class ApiKeyCheck:
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)
                 return
             scope.setdefault("state", {})["owner"] = owner
+            if scope["path"] in COMPLETION_PATHS:
+                try:
+                    held = self.api.keys.hold(owner)
+                except APIError as e:
+                    await _error_response(e)(scope, receive, send)
+                    return
+                with held:  # until the whole answer, a stream's last event too, is sent
+                    await self.app(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -303,7 +313,7 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
         text = metrics() if metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    add_token_routes(app, api.tokenizer, api.card, api.config.max_body_bytes)
+    add_token_routes(app, api.tokenizer, api.card, api.config)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
     return app

@@ -94,7 +94,7 @@ def parse_completion(
     _check(model is not None, "'model' is required", "model")
     prompts, messages, tools = None, None, None
     if chat:
-        messages = _parse_messages(data)
+        messages = _parse_messages(data, config.max_messages)
         tools = parse_tools(data)
     else:
         prompts = _parse_prompts(data, config.max_prompts)
@@ -152,9 +152,17 @@ def parse_completion(
     stop = _get(data, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     _check(
-        all(isinstance(s, str) and s for s in stop) and len(stop) <= 16,
-        "'stop' must be a non-empty string or a list of up to 16 of them",
+        all(isinstance(s, str) and s for s in stop) and len(stop) <= config.max_stops,
+        f"'stop' must be a non-empty string or a list of up to {config.max_stops} of them "
+        "(--max-stops)",
         "stop",
+    )
+    stop_token_ids = _get(data, "stop_token_ids", (list,), [])
+    _check(
+        len(stop_token_ids) <= config.max_stops,
+        f"'stop_token_ids' holds {len(stop_token_ids)} ids, more than {config.max_stops} "
+        "(--max-stops)",
+        "stop_token_ids",
     )
     try:
         params = SamplingParams(
@@ -170,7 +178,7 @@ def parse_completion(
             frequency_penalty=_number(data, "frequency_penalty", 0.0),
             max_tokens=max_tokens,
             ignore_eos=_get(data, "ignore_eos", (bool,), False),
-            stop_token_ids=tuple(_get(data, "stop_token_ids", (list,), [])),
+            stop_token_ids=tuple(stop_token_ids),
             stop=tuple(stop),
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
@@ -244,7 +252,7 @@ class ParsedTokenize:
     return_token_strs: bool
 
 
-def parse_tokenize(data: dict[str, Any]) -> ParsedTokenize:
+def parse_tokenize(data: dict[str, Any], max_messages: int) -> ParsedTokenize:
     """Validate a /tokenize body; vLLM's defaults: special tokens added to a prompt, not to
     a chat (its template has them), and the generation prompt after the messages."""
     chat = data.get("messages") is not None
@@ -253,7 +261,7 @@ def parse_tokenize(data: dict[str, Any]) -> ParsedTokenize:
     return ParsedTokenize(
         _get(data, "model", (str,)),
         prompt,
-        _parse_messages(data) if chat else None,
+        _parse_messages(data, max_messages) if chat else None,
         _get(data, "add_special_tokens", (bool,), not chat),
         _get(data, "add_generation_prompt", (bool,), True),
         _get(data, "return_token_strs", (bool,), False),
@@ -334,11 +342,16 @@ def _token_ids(value: Any) -> bool:
     return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
-def _parse_messages(data: dict) -> list[dict[str, str]]:
+def _parse_messages(data: dict, max_messages: int) -> list[dict[str, str]]:
     messages = data.get("messages")
     _check(
         isinstance(messages, list) and len(messages) > 0,
         "'messages' must be a non-empty list",
+        "messages",
+    )
+    _check(
+        len(messages) <= max_messages,
+        f"'messages' holds {len(messages)} messages, more than {max_messages} (--max-messages)",
         "messages",
     )
     parsed = []

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
 from pagedserve.settings import ApiConfig
+from scheduler_svc.api.http import ApiKeyCheck
 from scheduler_svc.api.keys import ApiKeys, owner_of
 
 
@@ -38,3 +46,49 @@ def test_a_key_file_without_keys_or_a_bad_key_is_refused(tmp_path: Path) -> None
     for bad in ("", "a,b", " padded"):
         with pytest.raises(ValueError, match="API key"):
             ApiConfig(api_keys=(bad,))
+
+
+def test_a_key_past_its_requests_in_flight_gets_a_429_until_one_ends() -> None:
+    """The real key check before a completion route whose answers wait for a release (the
+    requests a server would be streaming), over ASGI."""
+    keys = ApiKeys(("busy", "idle"), max_requests_per_key=2)
+    asyncio.run(_past_the_limit(keys))
+    assert not keys._in_flight  # every request that ended gave its place back
+
+
+async def _past_the_limit(keys: ApiKeys) -> None:
+    release = asyncio.Event()
+
+    async def completions(request: Request) -> PlainTextResponse:
+        if (await request.json())["wait"]:
+            await release.wait()
+        return PlainTextResponse("done")
+
+    route = Route("/v1/completions", completions, methods=["POST"])
+    app = ApiKeyCheck(Starlette(routes=[route]), SimpleNamespace(keys=keys))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+        async def post(key: str, wait: bool) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"}
+            return await client.post("/v1/completions", json={"wait": wait}, headers=headers)
+
+        held = [asyncio.create_task(post("busy", True)) for _ in range(2)]
+        while sum(keys._in_flight.values()) < 2:
+            await asyncio.sleep(0.01)
+        refused = await post("busy", False)
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "2"
+        assert refused.json()["error"]["code"] == "too_many_requests_per_key"
+        assert (await post("idle", False)).status_code == 200  # another key is not held back
+        release.set()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+        assert (await post("busy", False)).status_code == 200
+
+
+def test_without_keys_or_with_no_limit_nothing_is_counted_against_anyone() -> None:
+    for keys, owner in (
+        (ApiKeys((), max_requests_per_key=1), ""),
+        (ApiKeys(("k",)), owner_of("k")),
+    ):
+        with keys.hold(owner), keys.hold(owner):
+            pass
