@@ -125,10 +125,11 @@ class Cluster:
         return metric(self.leader(), "kv_blocks_used")
 
     def wait_drained(self, timeout: float) -> float:
-        """Poll until the leader's pools are back to 0 used blocks; returns what stays used."""
+        """Poll until the leader's pools are back to 0 used blocks; returns what stays used
+        (NaN when no replica answers)."""
         deadline = time.monotonic() + timeout
         used = float("nan")
-        while time.monotonic() < deadline:
+        while self.urls() and time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError, TimeoutError):
                 used = self.used_blocks()
                 if used == 0:

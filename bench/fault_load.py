@@ -62,15 +62,17 @@ class Record:
     text: str = ""
     retries: int = 0
     clear_errors: int = 0
-    unclear_errors: list[str] = field(default_factory=list)
+    dropped: int = 0  # connections cut under the client (a killed replica cannot answer)
+    unclear_errors: list[str] = field(default_factory=list)  # answers not OpenAI-style
 
 
 class Attempt(Exception):
-    """One try that did not finish; ``clear`` when the server said why, OpenAI-style."""
+    """One try that did not finish; ``clear`` when the server said why, OpenAI-style,
+    ``dropped`` when the connection broke before it could."""
 
-    def __init__(self, what: str, clear: bool, wait_s: float = 0.5) -> None:
+    def __init__(self, what: str, clear: bool, wait_s: float = 0.5, dropped: bool = False) -> None:
         super().__init__(what)
-        self.clear, self.wait_s = clear, wait_s
+        self.clear, self.wait_s, self.dropped = clear, wait_s, dropped
 
 
 def judge_error(response: httpx.Response) -> Attempt:
@@ -111,6 +113,8 @@ class Client:
                 record.outcome = Outcome.FAILED if attempt.clear else Outcome.LOST
                 if attempt.clear:
                     record.clear_errors += 1
+                elif attempt.dropped:
+                    record.dropped += 1
                 else:
                     record.unclear_errors.append(str(attempt))
                 time.sleep(attempt.wait_s)
@@ -120,7 +124,7 @@ class Client:
     def _url(self) -> str:
         urls = self.urls()
         if not urls:
-            raise Attempt("no scheduler running", clear=False)
+            raise Attempt("no scheduler running", clear=False, dropped=True)
         return urls[next(self._turn) % len(urls)]
 
     def _attempt(self, spec: Spec, headers: dict, state: dict) -> str:
@@ -139,7 +143,7 @@ class Client:
                     return r.json()["choices"][0]["text"]
                 return read_stream(r, state)
         except httpx.TransportError as error:
-            raise Attempt(f"transport: {type(error).__name__}", clear=False) from None
+            raise Attempt(type(error).__name__, clear=False, dropped=True) from None
 
 
 def read_stream(response: httpx.Response, state: dict) -> str:

@@ -15,7 +15,7 @@ from bench.fault_cluster import Cluster, ClusterConfig
 from bench.fault_load import Client, Spec, judge, run_paced, specs
 from tests.cluster import model_of
 
-WARM_UP_S = 60.0
+WARM_UP_S = 60.0  # at most; a fifth of a shorter soak
 DRAIN_S = 60.0
 
 
@@ -28,7 +28,7 @@ def soak(args: argparse.Namespace, reference: dict[Spec, str], baseline: Any) ->
         try:
             cluster.start()
             client = Client(cluster.urls, model_of(cluster.urls()[0]), args.deadline)
-            warm = run_paced(client, load, rate, WARM_UP_S)
+            warm = run_paced(client, load, rate, min(WARM_UP_S, args.soak_minutes * 12))
             rss_start, keys_start = cluster.rss_mib(), cluster.redis_keys()
             records = run_paced(client, load, rate, args.soak_minutes * 60)
             rss_end, keys_end = cluster.rss_mib(), cluster.redis_keys()

@@ -43,6 +43,7 @@ class Row:
     lost_or_hung: int
     wrong_text: int
     retried: int
+    dropped: int
     unclear_errors: int
     latency_p50_s: float
     recovery_s: float | None
@@ -55,17 +56,17 @@ class Row:
 
 
 HEADERS = ["scenario", "sent", "correct", "failed clearly", "lost/hung", "wrong text"]
-HEADERS += ["retried", "unclear errors", "p50 s", "recovery s", "blocks leaked", "note"]
+HEADERS += ["retried", "dropped", "unclear errors", "p50 s", "recovery s", "blocks leaked"]
+HEADERS += ["note"]
 
 
 def summarize(scenario: Scenario, records: list[Record], fault_at: float, **extra) -> Row:
-    """Count outcomes. Recovery runs from the fault's start to the first correct finish of
-    a request sent after it, so it includes that request's own latency (p50 beside it)."""
+    """Count outcomes. Recovery runs from the fault's start to the first correct finish
+    after it: how long the clients saw nothing complete (a fault that stops nothing scores
+    about the gap between two finishes)."""
     count = {o: sum(r.outcome is o for r in records) for o in Outcome}
     recovered = [
-        r.ended - fault_at
-        for r in records
-        if r.started >= fault_at and r.outcome is Outcome.CORRECT
+        r.ended - fault_at for r in records if r.ended >= fault_at and r.outcome is Outcome.CORRECT
     ]
     return Row(
         scenario=scenario.name,
@@ -75,6 +76,7 @@ def summarize(scenario: Scenario, records: list[Record], fault_at: float, **extr
         lost_or_hung=count[Outcome.LOST],
         wrong_text=count[Outcome.WRONG],
         retried=sum(r.retries > 0 for r in records),
+        dropped=sum(r.dropped for r in records),
         unclear_errors=sum(len(r.unclear_errors) for r in records),
         latency_p50_s=percentile([r.ended - r.started for r in records], 50) or 0.0,
         recovery_s=min(recovered) if recovered and scenario.key != "baseline" else None,
@@ -87,7 +89,7 @@ def run_scenario(
 ) -> Row:
     """Load the running cluster, inject the fault, judge what the clients got, and wait
     for the pools to drain."""
-    load = specs(args.num_specs, args.max_tokens)
+    load, replicas = specs(args.num_specs, args.max_tokens), len(cluster.urls())
     with ThreadPoolExecutor(1) as pool:
         loaded = pool.submit(run_load, client, load, args.concurrency, args.duration)
         time.sleep(args.fault_at)
@@ -95,6 +97,8 @@ def run_scenario(
         note = scenario.fault(cluster)
         records = loaded.result()
     judge(records, reference)
+    if exited := replicas - len(cluster.urls()):
+        note += f"; {exited} of {replicas} scheduler replicas exited"
     leaked = cluster.wait_drained(DRAIN_S)
     return summarize(scenario, records, fault_at, blocks_leaked=leaked, note=note)
 
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     print()
     print_table(HEADERS, [list(asdict(r).values()) for r in rows], title="Fault suite")
     if args.json:
-        write_json(args.json, vars(args), body)
+        config = {k: v for k, v in vars(args).items() if k != "model_dir"}  # a temp dir
+        write_json(args.json, config, body)
     return rows
 
 
