@@ -146,12 +146,18 @@ class Cluster:
             sizes["redis"] = rss_of(self.redis.proc.pid)
         return sizes
 
-    def redis_keys(self) -> int:
+    def redis_keys(self) -> dict[str, int]:
+        """The namespace's keys in Redis: all, and those that never expire (a finished
+        request's keep an hour's TTL)."""
         import redis
 
         client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
         try:
-            return sum(1 for _ in client.scan_iter(match=f"{self.namespace}:*", count=1000))
+            keys = list(client.scan_iter(match=f"{self.namespace}:*", count=1000))
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.ttl(key)
+            return {"total": len(keys), "without_ttl": sum(t == -1 for t in pipe.execute())}
         finally:
             client.close()
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-RETRYABLE = {409, 429, 503}
+RETRYABLE = {409, 429, 503}  # a 5xx without JSON is retried too, as unclear
+RETRYABLE_CODES = {"conflict", "queue_full", "engine_unavailable", "store_unavailable"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,30 +64,41 @@ class Record:
     retries: int = 0
     clear_errors: int = 0
     dropped: int = 0  # connections cut under the client (a killed replica cannot answer)
-    unclear_errors: list[str] = field(default_factory=list)  # answers not OpenAI-style
+    unclear_errors: int = 0  # answers not OpenAI-style
+    errors: list[str] = field(default_factory=list)  # every failed try, by kind
 
 
 class Attempt(Exception):
     """One try that did not finish; ``clear`` when the server said why, OpenAI-style,
-    ``dropped`` when the connection broke before it could."""
+    ``dropped`` when the connection broke before it could, ``final`` when a retry cannot
+    help (a 4xx other than 409 and 429)."""
 
-    def __init__(self, what: str, clear: bool, wait_s: float = 0.5, dropped: bool = False) -> None:
+    def __init__(
+        self,
+        what: str,
+        clear: bool,
+        wait_s: float = 0.5,
+        dropped: bool = False,
+        final: bool = False,
+    ) -> None:
         super().__init__(what)
-        self.clear, self.wait_s, self.dropped = clear, wait_s, dropped
+        self.clear, self.wait_s, self.dropped, self.final = clear, wait_s, dropped, final
 
 
 def judge_error(response: httpx.Response) -> Attempt:
     """An error answer: clear when it is OpenAI-style JSON and a 503 says when to retry."""
     try:
         error = json.loads(response.read())["error"]
-        clear = isinstance(error, dict) and "message" in error
-    except (ValueError, KeyError, TypeError):
-        clear = False
+        clear, code = "message" in error, error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        clear, code = False, None
     retry_after = response.headers.get("retry-after")
     if response.status_code == 503 and retry_after is None:
         clear = False
     wait = min(float(retry_after), 5.0) if retry_after and retry_after.isdigit() else 0.5
-    return Attempt(f"HTTP {response.status_code}", clear, wait)
+    status = response.status_code
+    final = clear and 400 <= status < 500 and status not in RETRYABLE
+    return Attempt(f"HTTP {status} {code}", clear, wait, final=final)
 
 
 class Client:
@@ -111,12 +123,15 @@ class Client:
             except Attempt as attempt:
                 record.retries += 1
                 record.outcome = Outcome.FAILED if attempt.clear else Outcome.LOST
+                record.errors.append(str(attempt))
                 if attempt.clear:
                     record.clear_errors += 1
                 elif attempt.dropped:
                     record.dropped += 1
                 else:
-                    record.unclear_errors.append(str(attempt))
+                    record.unclear_errors += 1
+                if attempt.final:
+                    break
                 time.sleep(attempt.wait_s)
         record.ended = time.monotonic()
         return record
@@ -161,7 +176,9 @@ def read_stream(response: httpx.Response, state: dict) -> str:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 error = chunk["error"]
-                raise Attempt(f"stream error {error.get('code')}", clear="message" in error)
+                code, clear = error.get("code"), "message" in error
+                final = clear and code not in RETRYABLE_CODES
+                raise Attempt(f"stream error {code}", clear, final=final)
             state["text"] += chunk["choices"][0]["text"]
     if not done:
         raise Attempt("stream ended without [DONE]", clear=False)

@@ -15,6 +15,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ class Row:
     recovery_s: float | None
     blocks_leaked: float
     note: str
+    error_kinds: dict[str, int]  # what the failed tries got, by kind (the JSON only)
 
     @property
     def ok(self) -> bool:
@@ -77,9 +79,10 @@ def summarize(scenario: Scenario, records: list[Record], fault_at: float, **extr
         wrong_text=count[Outcome.WRONG],
         retried=sum(r.retries > 0 for r in records),
         dropped=sum(r.dropped for r in records),
-        unclear_errors=sum(len(r.unclear_errors) for r in records),
+        unclear_errors=sum(r.unclear_errors for r in records),
         latency_p50_s=percentile([r.ended - r.started for r in records], 50) or 0.0,
         recovery_s=min(recovered) if recovered and scenario.key != "baseline" else None,
+        error_kinds=dict(Counter(e for r in records for e in r.errors)),
         **extra,
     )
 
@@ -150,7 +153,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.soak_minutes:
         body["soak"] = soak(args, reference, rows[0])
     print()
-    print_table(HEADERS, [list(asdict(r).values()) for r in rows], title="Fault suite")
+    cells = [list(asdict(r).values())[: len(HEADERS)] for r in rows]
+    print_table(HEADERS, cells, title="Fault suite")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "model_dir"}  # a temp dir
         write_json(args.json, config, body)
