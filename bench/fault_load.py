@@ -49,7 +49,6 @@ class Outcome(enum.StrEnum):
     WRONG = "wrong"  # finished, text differs from the reference
     FAILED = "failed"  # gave up after an error the client can act on
     LOST = "lost"  # no answer, a hang or only unclear errors by the deadline
-    ABANDONED = "abandoned"  # the client closed its socket on purpose
 
 
 @dataclass(slots=True)
@@ -185,23 +184,16 @@ def read_stream(response: httpx.Response, state: dict) -> str:
     return state["text"]
 
 
-def run_load(
-    client: Client,
-    load: list[Spec],
-    concurrency: int,
-    duration_s: float,
-    stop: threading.Event | None = None,
-) -> list[Record]:
-    """``concurrency`` clients send ``load`` round and round for ``duration_s`` seconds (or
-    until ``stop``); returns once every request sent has finished or passed its deadline."""
-    stop = stop or threading.Event()
+def run_load(client: Client, load: list[Spec], concurrency: int, duration_s: float) -> list[Record]:
+    """``concurrency`` clients send ``load`` round and round for ``duration_s`` seconds;
+    returns once every request sent has finished or passed its deadline."""
     end = time.monotonic() + duration_s
     queue = itertools.cycle(load)
     lock = threading.Lock()
 
     def worker() -> list[Record]:
         records = []
-        while time.monotonic() < end and not stop.is_set():
+        while time.monotonic() < end:
             with lock:
                 spec = next(queue)
             records.append(client.run(spec))

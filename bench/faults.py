@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The fault suite: each scenario starts its own redis-server, executor and scheduler
-replicas, puts them under steady load (streaming and not, greedy and seeded), injects its
-fault, and reports what the clients saw against an undisturbed reference run. Lost or hung
-requests and leaked KV blocks must be 0 in every row.
+"""The fault suite: one deployment (redis-server, an executor, scheduler replicas that reach
+both through fault-injecting proxies) takes each scenario's fault in turn under steady load
+(streaming and not, greedy and seeded); one table reports what the clients saw, judged
+against a reference run of the same requests undisturbed. Lost or hung requests, wrong
+texts and leaked KV blocks must be 0 in every row (the exit status says whether they were).
 
     python bench/faults.py                          # every scenario, the tiny model
     python bench/faults.py --scenarios redis-kill,leader-kill --model SmolLM2-135M-Instruct
@@ -88,7 +89,11 @@ def summarize(scenario: Scenario, records: list[Record], fault_at: float, **extr
 
 
 def run_scenario(
-    cluster: Cluster, client: Client, scenario: Scenario, args: argparse.Namespace, reference
+    cluster: Cluster,
+    client: Client,
+    scenario: Scenario,
+    args: argparse.Namespace,
+    reference: dict[Spec, str],
 ) -> Row:
     """Load the running cluster, inject the fault, judge what the clients got, and wait
     for the pools to drain."""
@@ -100,9 +105,9 @@ def run_scenario(
         note = scenario.fault(cluster)
         records = loaded.result()
     judge(records, reference)
+    leaked = cluster.wait_drained(DRAIN_S)
     if exited := replicas - len(cluster.urls()):
         note += f"; {exited} of {replicas} scheduler replicas exited"
-    leaked = cluster.wait_drained(DRAIN_S)
     return summarize(scenario, records, fault_at, blocks_leaked=leaked, note=note)
 
 
@@ -146,7 +151,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                     print(f"{scenario.name}: skipped, needs {scenario.min_schedulers} replicas")
                     continue
                 rows.append(run_scenario(cluster, client, scenario, args, reference))
-                print(f"{rows[-1].scenario}: {rows[-1]}", flush=True)
+                row = rows[-1]
+                print(f"{row.scenario}: {row.correct}/{row.sent} correct, {row.lost_or_hung} lost")
         finally:
             cluster.stop()
     body: dict = {"rows": [asdict(r) for r in rows]}
@@ -176,8 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak-fraction", type=float, default=0.7, help="of the baseline's rate")
     p.add_argument("--json", type=Path, default=RESULTS / "faults.json")
     args = p.parse_args(argv)
-    args.scenarios = ["baseline", *args.scenarios.split(",")]  # the soak's yardstick too
-    unknown = set(args.scenarios) - set(SCENARIOS)
+    args.scenarios = list(dict.fromkeys(["baseline", *args.scenarios.split(",")]))
+    unknown = set(args.scenarios) - set(SCENARIOS)  # the baseline is the soak's yardstick
     if unknown:
         p.error(f"unknown scenarios: {sorted(unknown)}")
     return args
