@@ -87,7 +87,12 @@ class Cluster:
         self.proxies[name].start()
 
     def stop(self) -> None:
-        """Stop every process this cluster started; safe to call at any point."""
+        """Stop every process this cluster started; safe to call at any point. SIGTERM
+        goes to all first, so their shutdowns overlap."""
+        procs = [*self.schedulers.values(), *([self.executor] if self.executor else [])]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.schedulers.values():
             stop(proc)
         for proxy in self.proxies.values():

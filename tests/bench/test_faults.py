@@ -17,7 +17,7 @@ pytestmark = pytest.mark.redis
 
 def test_a_redis_kill_loses_nothing(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
     out = tmp_path / "faults.json"
-    flags = ["--scenarios=redis-kill", "--schedulers=1", "--concurrency=3", "--duration=6"]
+    flags = ["--scenarios=redis-kill", "--schedulers=1", "--concurrency=4", "--duration=4"]
     flags += ["--fault-at=2", "--num-specs=4", "--max-tokens=12", f"--json={out}"]
     args = faults.parse_args(flags)
     args.model_dir = tiny_chat_model_dir
