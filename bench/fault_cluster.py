@@ -144,7 +144,7 @@ class Cluster:
 
     def rss_mib(self) -> dict[str, float]:
         """Resident memory of every running process, by role."""
-        procs = {f"scheduler {url}": p for url, p in self.schedulers.items()}
+        procs = {f"scheduler {i}": p for i, p in enumerate(self.schedulers.values())}
         procs["executor"] = self.executor
         sizes = {name: rss_of(p.pid) for name, p in procs.items() if p.poll() is None}
         if self.redis is not None and self.redis.proc.poll() is None:
