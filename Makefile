@@ -5,9 +5,9 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # CPU machines take the CPU build of torch that lies on disk; GPU machines the registry's.
 TORCH  := $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.5,torch==2.13.0)
-PYTEST_ARGS ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
-.PHONY: install serve test bench bench-full faults lint format clean
+.PHONY: install serve test gpu-check bench bench-full faults lint format clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU: is the GPU executor right, and how fast (gpu_check/report.json).
+gpu-check: install
+	scripts/gpu_check.sh gpu_check
 
 # Benchmarks write JSON + PNG into bench/results/ (bench-full: bench/results/full/).
 # VLLM_PYTHON=PATH/TO/venv/bin/python adds vLLM's CPU build (see bench/PEERS.md).

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from executor_svc import host_memory
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.parallel import Shard
-from pagedserve.model_files import load_config
+from pagedserve.model_files import load_config, weight_files
 
 
 def load_model(
@@ -28,9 +28,7 @@ def load_model(
         config = shard.shard_config(config)
     with torch.device(device):
         model = LlamaForCausalLM(config, max_positions).to(dtype)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    files = weight_files(path)
     with tqdm(desc="loading weights", unit="tensor", leave=False) as bar:
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as f:

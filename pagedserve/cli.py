@@ -10,11 +10,13 @@ from pathlib import Path
 
 from pagedserve.flags import add_flags, apply_environment, from_args
 from pagedserve.settings import (
+    SCHEDULER_ONLY_TLS,
     ApiConfig,
     EngineOptions,
     ExecutorConfig,
     RegistrationOptions,
     SchedulerOptions,
+    TlsOptions,
 )
 
 
@@ -127,6 +129,7 @@ def _add_executor(sub: argparse._SubParsersAction) -> None:
     )
     add_flags(p, RegistrationOptions)
     add_flags(p, ExecutorConfig)
+    add_flags(p, TlsOptions, skip=SCHEDULER_ONLY_TLS)
     p.set_defaults(func=_run_executor)
 
 
@@ -144,6 +147,7 @@ def _run_executor(args: argparse.Namespace) -> int:
         port=args.port,
         registration=registration,
         metrics_port=args.metrics_port,
+        tls=from_args(TlsOptions, args),
     )
 
 
@@ -152,6 +156,7 @@ def _add_scheduler(sub: argparse._SubParsersAction) -> None:
     add_flags(p, ApiConfig)
     add_flags(p, SchedulerOptions)
     add_flags(p, EngineOptions)
+    add_flags(p, TlsOptions)
     p.set_defaults(func=_run_scheduler)
 
 
@@ -178,6 +183,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_flags(p, SchedulerOptions, skip=("executors", "tokenizer", "routing"))
     add_flags(p, EngineOptions)
     add_flags(p, ExecutorConfig)
+    add_flags(p, TlsOptions)
     p.set_defaults(func=_run_serve)
 
 
@@ -199,8 +205,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     """Start the executor as a child process, then the scheduler here; stop both together."""
     import subprocess
 
-    config = from_args(ExecutorConfig, args)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(config).items() if v is not None]
+    config, tls = from_args(ExecutorConfig, args), from_args(TlsOptions, args)
+    given = vars(config) | {k: v for k, v in vars(tls).items() if k not in SCHEDULER_ONLY_TLS}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in given.items() if v is not None]
     executor = subprocess.Popen(
         [
             sys.executable,

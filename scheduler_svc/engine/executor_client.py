@@ -16,8 +16,10 @@ from pagedserve.rpc.convert import (
     stats_from_pb,
     step_to_pb,
 )
+from pagedserve.rpc.tls import executor_channel
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.settings import TlsOptions
 from pagedserve.step import BlockPairs, ExecuteStep, StepResult
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -64,12 +66,13 @@ class ExecutorClient:
         execute_timeout: float = 3600.0,
         call_timeout: float = 10.0,
         init_timeout: float = 300.0,
+        tls: TlsOptions | None = None,
     ) -> None:
         self.address = address
         self.execute_timeout = execute_timeout
         self.call_timeout = call_timeout
         self.init_timeout = init_timeout  # allocating a large pool takes a while
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = executor_channel(address, tls, GRPC_OPTIONS)
         self._stub = pb_grpc.ExecutorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

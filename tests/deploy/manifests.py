@@ -72,7 +72,8 @@ def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
 
 def container_env(workload: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
     """The container's environment as Kubernetes builds it: ConfigMaps through envFrom,
-    then env; a downward-API field stands in as a sample value."""
+    then env; a downward-API field and a Secret (made by hand, deploy/README.md) stand in
+    as sample values."""
     samples = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
@@ -86,6 +87,8 @@ def container_env(workload: dict[str, Any], c: dict[str, Any]) -> dict[str, str]
         elif "configMapKeyRef" in var.get("valueFrom", {}):
             ref = var["valueFrom"]["configMapKeyRef"]
             env[var["name"]] = k8s_find("ConfigMap", ref["name"])["data"][ref["key"]]
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            env[var["name"]] = "sample-secret"
         else:
             raise AssertionError(f"unhandled env source in {c['name']}: {var}")
     return env

@@ -179,6 +179,14 @@ def test_scheduler_args_match_cli_ports_and_probes() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "executors loading"
 
 
+def test_api_keys_come_from_an_optional_secret_never_from_args() -> None:
+    _, c, args = _scheduler()
+    (var,) = [v for v in c["env"] if v["name"] == "PAGEDSERVE_API_KEY"]
+    ref = var["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is True  # no Secret: the API is open, as before
+    assert not args.api_keys and not any("API_KEY" in a for a in c["args"])
+
+
 def test_state_store_is_the_redis_statefulset() -> None:
     _, _, args = _executor()
     host, port = redis_url_host_port(args.state_store)
