@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.5,torch==2.13.0)
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
-.PHONY: install serve test gpu-check bench bench-full lint format clean
+.PHONY: install serve test gpu-check bench bench-full faults lint format clean
 
 install: $(STAMP)
 
@@ -82,6 +82,13 @@ bench-full: install
 		--json $(RES)/full/control_plane.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
+
+# Fault suite (issue 30): about 10 minutes on 2 cores; the table on stdout and in
+# bench/results/faults.json. FAULTS_ARGS="--soak-minutes 30" adds the soak, "--model
+# SmolLM2-135M-Instruct" the real model.
+FAULTS_ARGS ?=
+faults: install
+	$(PY) bench/faults.py --json $(RES)/faults.json $(FAULTS_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
