@@ -357,6 +357,18 @@ def _request_id(item: NewRequest | Move) -> str:
     return item.request_id if isinstance(item, NewRequest) else item.group.request_id
 
 
+def newest_epoch_seen(address: str, tls: TlsOptions | None) -> int:
+    """The newest scheduler epoch the executor at ``address`` has seen, 0 if it does not
+    answer now (a short GetStats)."""
+    client = ExecutorClient(address, tls=tls)
+    try:
+        return client.get_stats(timeout=PROBE_TIMEOUT_S).epoch
+    except ExecutorError:
+        return 0
+    finally:
+        client.close()
+
+
 def _answers(address: str, tls: TlsOptions | None) -> bool:
     """Whether an executor answers at ``address`` now (a short GetStats)."""
     client = ExecutorClient(address, tls=tls)
