@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 shapes) over the paged cache."""
+"""The Llama-family decoder over the paged cache: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 and
+Phi-3, whose differences (biases, q/k norms, sliding windows) ``DecoderSpec`` names."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from executor_svc.attention import AttentionMetadata, PagedAttention
 from kernels import layer_ops
 from kernels.ops import cpu_extension
+from pagedserve.architectures import DecoderSpec, decoder_spec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -61,17 +63,18 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, sliding_window: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = getattr(config, "attention_bias", False)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=spec.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window)
 
     def forward(
         self,
@@ -85,6 +88,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head on its own, into contiguous copies
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
@@ -93,10 +99,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
+        bias = spec.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
@@ -105,10 +111,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, sliding_window: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, spec, sliding_window)
+        self.mlp = LlamaMLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,9 +139,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
+        self.spec = decoder_spec(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.spec, window) for window in self.spec.sliding_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
@@ -188,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
             self.config.intermediate_size,
             self.norm.eps,
             attn.attn.scale,
+            list(self.spec.sliding_windows),
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
@@ -221,6 +229,9 @@ class LlamaForCausalLM(nn.Module):
                     layer.mlp.gate_up_proj.bias,
                     layer.mlp.down_proj.weight,
                     layer.mlp.down_proj.bias,
+                    layer.self_attn.o_proj.bias,
+                    None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
+                    None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
                 ]
                 for layer in self.layers
             ]
