@@ -37,6 +37,11 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+LONGROPE = {  # head_dim 16: 8 factors each
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0],
+    "long_factor": [2.0] * 8,
+}
 # (config class, its overrides): every architecture and option the README's table lists
 CASES = {
     "llama-biases": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
@@ -53,8 +58,16 @@ CASES = {
             "max_position_embeddings": 512,
         },
     ),
+    "llama-rope-yarn": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+    ),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
     "phi3": ("Phi3Config", {}),
+    "phi3-longrope": (
+        "Phi3Config",
+        {"rope_parameters": LONGROPE, "original_max_position_embeddings": 256},
+    ),
     "mistral-sliding-window": ("MistralConfig", {"sliding_window": 24, "head_dim": 16}),
     "qwen2-sliding-window": (
         "Qwen2Config",
