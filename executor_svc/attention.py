@@ -34,13 +34,18 @@ class PagedAttention(nn.Module):
     """Writes the step's K/V into their slots, then attends through the block tables."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int = 0
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int = 0,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window  # positions a token sees, itself included; 0: all
 
     def forward(

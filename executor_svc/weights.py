@@ -11,6 +11,8 @@ from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from executor_svc import host_memory
+from executor_svc.models.gemma3 import Gemma3ForCausalLM
+from executor_svc.models.layers import CausalLM
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.parallel import Shard
 from pagedserve.architectures import decoder_spec
@@ -25,7 +27,7 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     shard: Shard | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the paged model from a checkpoint directory's safetensors files; with a
     ``shard``, only that tensor-parallel rank's slice of it."""
     config = load_config(path)
@@ -34,7 +36,8 @@ def load_model(
     if shard is not None:
         config = shard.shard_config(config)
     with torch.device(device):
-        model = LlamaForCausalLM(config, max_positions).to(dtype)
+        model_class = Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
+        model = model_class(config, max_positions).to(dtype)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 # Rope types whose cos/sin tables transformers computes once (static); "dynamic" and
 # "longrope" change only past a length that ``DecoderSpec.max_positions`` keeps us under.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -14,7 +14,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longr
 
 @dataclass(frozen=True, slots=True)
 class DecoderSpec:
-    """One checkpoint's Llama-family decoder: which optional parts its layers have."""
+    """One checkpoint's decoder: which optional parts its layers have."""
 
     qkv_bias: bool = False
     o_proj_bias: bool = False
@@ -22,6 +22,8 @@ class DecoderSpec:
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
     sliding_windows: tuple[int, ...] = ()  # per layer: positions a token sees; 0: all
+    attention_scale: float = 0.0  # softmax scale of q.k; 0: head_dim ** -0.5
+    final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
     max_positions: int = 0  # positions at which our rope tables equal transformers'
 
 
@@ -33,6 +35,8 @@ def decoder_spec(config: Any) -> DecoderSpec:
             f"model_type {model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if model_type == "gemma3_text":
+        return _gemma3_spec(config)
     _check_value(config, "hidden_act", ("silu",))
     attention_bias = bool(getattr(config, "attention_bias", False))
     return DecoderSpec(
@@ -42,8 +46,32 @@ def decoder_spec(config: Any) -> DecoderSpec:
         qk_norm=model_type == "qwen3",
         fused_checkpoint=model_type == "phi3",
         sliding_windows=_sliding_windows(config),
-        max_positions=_rope_max_positions(config),
+        max_positions=_rope_max_positions(config, getattr(config, "rope_parameters", None) or {}),
     )
+
+
+def _gemma3_spec(config: Any) -> DecoderSpec:
+    """Gemma 3's text decoder: q/k norms, a scale from query_pre_attn_scalar, local and global
+    layers (each with its own rope), optional final soft-capping."""
+    _check_value(config, "hidden_activation", ("gelu_pytorch_tanh",))
+    _check_value(config, "attn_logit_softcapping", (None,))
+    _check_value(config, "use_bidirectional_attention", (False, None))
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return DecoderSpec(
+        qkv_bias=attention_bias,
+        o_proj_bias=attention_bias,
+        qk_norm=True,
+        sliding_windows=_sliding_windows(config),
+        attention_scale=config.query_pre_attn_scalar**-0.5,
+        final_logit_softcapping=config.final_logit_softcapping or 0.0,
+        max_positions=min(_rope_max_positions(config, rope) for rope in _ropes(config)),
+    )
+
+
+def _ropes(config: Any) -> list[dict]:
+    """Gemma 3 keeps one set of rope parameters per layer type."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return [rope[t] for t in sorted(set(config.layer_types))]
 
 
 def _check_value(config: Any, field: str, allowed: tuple[Any, ...]) -> None:
@@ -68,11 +96,10 @@ def _sliding_windows(config: Any) -> tuple[int, ...]:
     return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
 
 
-def _rope_max_positions(config: Any) -> int:
+def _rope_max_positions(config: Any, rope: dict) -> int:
     """The longest context whose rope tables are transformers' own: past
     ``original_max_position_embeddings`` longrope switches to its long factors, and past
     ``max_position_embeddings`` dynamic NTK recomputes its frequencies per forward."""
-    rope = getattr(config, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
