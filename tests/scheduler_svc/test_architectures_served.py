@@ -1,5 +1,7 @@
-"""Each supported architecture served by real executor and scheduler processes (HTTP, gRPC,
-prefix caching on) answers transformers' greedy tokens and logprobs."""
+"""Architectures served by real executor and scheduler processes (HTTP, prefix caching on)
+answer transformers' greedy tokens and logprobs: one of each model class and weight layout
+(tests/executor_svc/test_architectures.py checks every case offline; the model code a
+server runs is the same)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ VOCAB = 49152  # the default model's tokenizer, for the API's text
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+SERVED = ("phi3", "gemma3", "mistral-sliding-window")  # fused checkpoint weights, own class, window
+
+
+@pytest.fixture(scope="module", params=SERVED)
 def served_case(request, tmp_path_factory, smollm2_dir: Path):
     config_class, overrides = CASES[request.param]
     model_dir = tmp_path_factory.mktemp(f"served-{request.param}")
