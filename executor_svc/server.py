@@ -161,6 +161,20 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.metrics.observe_step(step, result, elapsed)
         return result
 
+    async def Fence(
+        self, request: pb.FenceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FenceResponse:
+        """Under the lock: a step of the old leader that is running ends before the fence
+        answers (and shows in ``last_step_id``); one that arrives later is refused."""
+        last_step_id = await self._locked(context, self._fence, request.epoch)
+        return pb.FenceResponse(last_step_id=last_step_id)
+
+    def _fence(self, epoch: int) -> int | None:
+        last_step_id = self.ledger.fence(epoch)
+        self.stats.epoch = self.ledger.epoch
+        log.info("executor.fenced", epoch=epoch, last_step_id=last_step_id)
+        return last_step_id
+
     async def EndSteps(
         self, request: pb.EndStepsRequest, context: grpc.aio.ServicerContext
     ) -> pb.EndStepsResponse:
