@@ -174,20 +174,19 @@ def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
 
 
 def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
-    outputs = [
-        SeqOutput(
-            seq_id=o.seq_id,
-            token_ids=list(o.token_ids),
-            logprobs=list(o.logprobs),
-            top_logprobs=[_entries_from_pb(top.entries) for top in o.top_logprobs],
-            prompt_logprobs=[
+    """A decode step's output is a token and its logprob: the rest is read only when sent
+    (each read of a pb field costs a call, and this runs for every sequence of a step)."""
+    outputs = []
+    for o in m.outputs:
+        out = SeqOutput(o.seq_id, list(o.token_ids), list(o.logprobs), error=o.error)
+        if o.top_logprobs:
+            out.top_logprobs = [_entries_from_pb(top.entries) for top in o.top_logprobs]
+        if o.prompt_logprobs:
+            out.prompt_logprobs = [
                 PromptLogprob(p.logprob, p.rank, _entries_from_pb(p.top_logprobs))
                 for p in o.prompt_logprobs
-            ],
-            error=o.error,
-        )
-        for o in m.outputs
-    ]
+            ]
+        outputs.append(out)
     return StepResult(step_id=m.step_id, outputs=outputs)
 
 
