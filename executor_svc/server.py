@@ -28,6 +28,7 @@ from executor_svc.step_guard import (
     validate_pairs,
     validate_step,
 )
+from pagedserve.heap import freeze_startup_objects
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.registry import ExecutorRecord
 from pagedserve.rpc import GRPC_OPTIONS
@@ -313,6 +314,7 @@ def serve(
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
         executor = thread.submit(make_executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
+        freeze_startup_objects()
         try:
             asyncio.run(_serve(executor, thread, host, port, registration, metrics_port))
         except OSError as e:
