@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.rpc import GRPC_OPTIONS
 from pagedserve.rpc.convert import (
+    ParamsCache,
     model_info_from_pb,
     pairs_to_pb,
     result_from_pb,
@@ -78,6 +79,7 @@ class ExecutorClient:
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.ExecutorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._params: ParamsCache = {}  # the last step's sampling parameters, converted
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float):
         try:
@@ -98,7 +100,8 @@ class ExecutorClient:
         """Send one step and return at once; calling the result waits for the step's
         answer and raises as ``execute`` does. The caller may work meanwhile (the engine
         writes its journal while the executor computes)."""
-        future = self._stub.Execute.future(step_to_pb(step), timeout=self.execute_timeout)
+        request = step_to_pb(step, self._params)
+        future = self._stub.Execute.future(request, timeout=self.execute_timeout)
 
         def result() -> StepResult:
             try:
