@@ -28,7 +28,7 @@ from executor_svc.step_guard import (
     validate_pairs,
     validate_step,
 )
-from pagedserve.heap import freeze_startup_objects
+from pagedserve.heap import tune_garbage_collector
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.registry import ExecutorRecord
 from pagedserve.rpc import GRPC_OPTIONS
@@ -314,7 +314,7 @@ def serve(
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
         executor = thread.submit(make_executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
-        freeze_startup_objects()
+        tune_garbage_collector()
         try:
             asyncio.run(_serve(executor, thread, host, port, registration, metrics_port))
         except OSError as e:

@@ -1,4 +1,4 @@
-"""The garbage collector's view of a long-running service process."""
+"""The garbage collector's settings for a long-running service process."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import gc
 YOUNG_THRESHOLD = 10_000
 
 
-def freeze_startup_objects() -> None:
-    """Collect once, then move every object alive (modules, the model's and tokenizer's
-    Python objects, the web framework) to the collector's permanent generation.
+def tune_garbage_collector() -> None:
+    """Call once started, before serving: collect, then move every object alive (modules,
+    the model's and the tokenizer's Python objects, the web framework) to the collector's
+    permanent generation, and collect the young generation less often.
 
-    Each step allocates thousands of containers, so collections run several times a step;
-    an oldest-generation pass would otherwise walk these hundreds of thousands of objects
-    that live as long as the process, and it took half a busy scheduler's CPU. Objects
-    allocated later (requests, sequences) are collected as before.
+    Without the freeze, each oldest-generation pass walks those hundreds of thousands of
+    objects that live as long as the process, and a busy step loop triggers such passes
+    every few steps. Objects allocated later (requests, sequences) are collected as before.
     """
     gc.collect()
     gc.freeze()

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 import uvicorn
 
-from pagedserve.heap import freeze_startup_objects
+from pagedserve.heap import tune_garbage_collector
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.registry import ExecutorRegistry
 from pagedserve.settings import ApiConfig, SchedulerOptions
@@ -160,7 +160,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
         (options.max_waiting_requests, options.max_waiting_tokens),
         metrics.count_refused,
     )
-    freeze_startup_objects()  # the tokenizer and the engines are built; no step has run
+    tune_garbage_collector()  # the tokenizer and the engines are built; no step has run
     await async_engine.start()
     tokenizer, card = factory.tokenizer, factory.card
     app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render, dashboard)
