@@ -250,8 +250,9 @@ class LLMEngine:
         return self._apply(out, step, result)
 
     def _run(self, step: ExecuteStep, out: SchedulerOutput) -> StepResult:
-        """Journal and execute ``step``: at the same time where the executor can fence a
-        successor's predecessor off (``recover`` checks it), else journaled first."""
+        """Journal ``step`` and run it. A pipelined executor computes while the commit is
+        written (a successor's ``recover`` fences it and finds a step run past the
+        journal); any other executor gets the step once it is journaled."""
         journal = self.journal
         if journal is None:
             return self.executor.execute(step)
