@@ -28,6 +28,7 @@ from executor_svc.step_guard import (
     validate_pairs,
     validate_step,
 )
+from pagedserve.heap import tune_garbage_collector
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.registry import ExecutorRecord
 from pagedserve.rpc import GRPC_OPTIONS
@@ -161,6 +162,20 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         s.num_blocks_copied += len(step.blocks_to_copy)
         self.metrics.observe_step(step, result, elapsed)
         return result
+
+    async def Fence(
+        self, request: pb.FenceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FenceResponse:
+        """Under the lock: a step of the old leader that is running ends before the fence
+        answers (and shows in ``last_step_id``); one that arrives later is refused."""
+        last_step_id = await self._locked(context, self._fence, request.epoch)
+        return pb.FenceResponse(last_step_id=last_step_id)
+
+    def _fence(self, epoch: int) -> int | None:
+        last_step_id = self.ledger.fence(epoch)
+        self.stats.epoch = self.ledger.epoch
+        log.info("executor.fenced", epoch=epoch, last_step_id=last_step_id)
+        return last_step_id
 
     async def EndSteps(
         self, request: pb.EndStepsRequest, context: grpc.aio.ServicerContext
@@ -305,6 +320,7 @@ def serve(
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
         executor = thread.submit(make_executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
+        tune_garbage_collector()
         try:
             asyncio.run(
                 _serve(executor, thread, host, port, registration, metrics_port, credentials)

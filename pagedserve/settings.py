@@ -444,13 +444,17 @@ class RegistrationOptions:
         return f"{host}:{port}"
 
 
+CRASH_POINTS = ("before_persist", "after_send", "after_persist", "after_execute")
+
+
 def crash_point() -> tuple[str, int] | None:
     """``PAGEDSERVE_CRASH_AT=where:step`` (tests only): kill -9 the scheduler at a step
-    boundary — ``before_persist``, ``after_persist`` or ``after_execute`` of step N."""
+    boundary — ``before_persist``, ``after_send`` (sent to the executor, not journaled),
+    ``after_persist`` or ``after_execute`` of step N."""
     value = os.environ.get("PAGEDSERVE_CRASH_AT")
     if not value:
         return None
     where, _, step = value.partition(":")
-    if where not in ("before_persist", "after_persist", "after_execute") or not step.isdigit():
+    if where not in CRASH_POINTS or not step.isdigit():
         raise ValueError(f"PAGEDSERVE_CRASH_AT must be WHERE:STEP, got {value!r}")
     return where, int(step)

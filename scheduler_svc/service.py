@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from pagedserve.heap import tune_garbage_collector
 from pagedserve.model_files import load_tokenizer, resolve_model
 from pagedserve.redis_url import redacted
 from pagedserve.registry import ExecutorRegistry
@@ -167,6 +168,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
         (options.max_waiting_requests, options.max_waiting_tokens),
         metrics.count_refused,
     )
+    tune_garbage_collector()  # the tokenizer and the engines are built; no step has run
     await async_engine.start()
     tokenizer, card = factory.tokenizer, factory.card
     api = Api(async_engine, tokenizer, card, api_config, keys)
