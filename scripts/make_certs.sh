@@ -29,8 +29,8 @@ for service in executor scheduler redis; do
   out=$dir/$service
   openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$service" \
     -keyout "$out/tls.key" -out "$out/tls.csr" 2>/dev/null
-  printf '%s\n' \
-    "subjectAltName=DNS:$service,DNS:$service.$namespace,DNS:$service.$namespace.svc,DNS:localhost,IP:127.0.0.1" \
+  names=DNS:$service,DNS:$service.$namespace,DNS:$service.$namespace.svc
+  printf '%s\n' "subjectAltName=$names,DNS:localhost,IP:127.0.0.1" \
     "extendedKeyUsage=serverAuth,clientAuth" "basicConstraints=critical,CA:FALSE" >"$out/ext.cnf"
   openssl x509 -req -in "$out/tls.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" \
     -CAcreateserial -days "$days" -extfile "$out/ext.cnf" -out "$out/tls.crt" 2>/dev/null
@@ -45,7 +45,8 @@ if [ ! -f "$dir/redis.env" ]; then
   printf '%s\n' "user default on nopass -@all +ping" \
     "user pagedserve on #$digest ~* &* +@all" >"$dir/redis/users.acl"
   chmod 644 "$dir/redis/users.acl"
-  printf 'PAGEDSERVE_STATE_STORE=rediss://pagedserve:%s@redis:6379/0?ssl_ca_certs=/etc/pagedserve/tls/ca.crt\n' \
-    "$password" >"$dir/redis.env"
+  ca=/etc/pagedserve/tls/ca.crt  # where both deployments mount it
+  printf 'PAGEDSERVE_STATE_STORE=rediss://pagedserve:%s@redis:6379/0?ssl_ca_certs=%s\n' \
+    "$password" "$ca" >"$dir/redis.env"
 fi
 echo "wrote $dir"
