@@ -1,24 +1,28 @@
 """scripts/make_certs.sh: certificates the services accept for the names they are dialled
 by, and a Redis ACL and URL that a real redis-server, started as docker-compose.yml starts
-it, takes."""
+it, takes; an executor and a scheduler with docker-compose.yml's environment serve text."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import redis
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.deploy.manifests import SAMPLE_STATE_STORE, compose_config, make_secrets
-from tests.services import free_port
+from tests.deploy.test_compose import compose_env
+from tests.services import free_port, start, stop, wait_healthy
 
 SERVICES = ("executor", "scheduler", "redis")
 
@@ -107,3 +111,47 @@ def test_redis_takes_the_url_and_refuses_everyone_else(redis_server: int, secret
         redis.Redis.from_url(wrong).ping()
     with pytest.raises(redis.exceptions.ConnectionError):
         redis.Redis(port=redis_server, socket_timeout=2).ping()  # plaintext
+
+
+def _environment(service: str, secrets: Path, redis_port: int) -> dict[str, str]:
+    """docker-compose.yml's environment of ``service`` with its env_file and mounts made
+    here, Redis at ``redis_port`` and no API keys."""
+    url = _state_store(secrets).replace("@redis:6379", f"@127.0.0.1:{redis_port}")
+    env = compose_env(compose_config()["services"][service]) | {"PAGEDSERVE_STATE_STORE": url}
+    env.pop("PAGEDSERVE_API_KEY", None)
+    return {k: v.replace("/etc/pagedserve/tls", str(secrets / service)) for k, v in env.items()}
+
+
+def _probe(address: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pagedserve.cli", "probe", address, *flags]
+    return subprocess.run(command, env=os.environ | env, capture_output=True, text=True)
+
+
+def test_the_services_serve_text_over_mutual_tls_with_the_compose_environment(
+    redis_server: int, secrets: Path, tiny_chat_model_dir: Path
+) -> None:
+    """The executor registers by IP; the scheduler checks its certificate for `executor`."""
+    executor_env = _environment("executor", secrets, redis_server)
+    port, scheduler_port = free_port(), free_port()
+    args = ["executor", "--port", str(port), "--model", str(tiny_chat_model_dir)]
+    args += ["--num-gpu-blocks", "64", "--swap-space", "0.05", "--metrics-port", "0"]
+    procs = [start(args, f"deploy-executor-{port}.log", executor_env)]
+    try:
+        deadline = time.monotonic() + 180
+        while _probe(f"127.0.0.1:{port}", executor_env).returncode != 0:  # the health check
+            assert procs[0].poll() is None and time.monotonic() < deadline, "executor not up"
+            time.sleep(1)
+        args = ["scheduler", "--port", str(scheduler_port)]
+        env = _environment("scheduler", secrets, redis_server)
+        procs.append(start(args, f"deploy-scheduler-{scheduler_port}.log", env))
+        base = f"http://127.0.0.1:{scheduler_port}"
+        wait_healthy(base, procs[1])
+        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        serving = _probe(f"127.0.0.1:{port}", executor_env, "--serving")  # the readiness probe
+        assert serving.returncode == 0, serving.stderr
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
