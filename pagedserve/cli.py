@@ -170,6 +170,38 @@ def _run_scheduler(args: argparse.Namespace) -> int:
     return asyncio.run(serve(from_args(SchedulerOptions, args), from_args(ApiConfig, args)))
 
 
+def _add_probe(sub: argparse._SubParsersAction) -> None:
+    p = _command(sub, "probe", "exit 0 if an executor answers gRPC health (a health check)")
+    p.add_argument("address", nargs="?", default="127.0.0.1:50051", help="executor HOST:PORT")
+    p.add_argument(
+        "--serving", action="store_true", help="also require SERVING (its pools allocated)"
+    )
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    add_flags(p, TlsOptions, skip=("tls_client_auth", "tls_http"))
+    p.set_defaults(func=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    """Standard gRPC health of the executor at ``args.address``, over TLS as a scheduler
+    would dial it; 1 if it does not answer (or, with --serving, is not SERVING)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pagedserve.rpc.tls import executor_channel
+
+    with executor_channel(args.address, from_args(TlsOptions, args), options=()) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=args.timeout
+            )
+        except grpc.RpcError as e:
+            print(f"pagedserve probe: {args.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" or not args.serving else 1
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "serve", "executor and scheduler together on this machine")
     p.add_argument("--executor-port", type=int, default=50051, help="the executor's gRPC port")
@@ -242,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_executor(sub)
     _add_scheduler(sub)
     _add_serve(sub)
+    _add_probe(sub)
     apply_environment(parser, os.environ)
     return parser
 

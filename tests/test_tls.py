@@ -13,6 +13,7 @@ import grpc
 import httpx
 import pytest
 
+from pagedserve.cli import main
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
 from pagedserve.settings import TlsOptions
@@ -108,6 +109,17 @@ def test_the_executor_takes_only_clients_with_a_certificate_of_its_ca(served, pk
     for name, ok in (("localhost", True), ("elsewhere.example", False)):
         named = TlsOptions(client_cert, client_key, pki.ca, tls_server_name=name)
         assert answers(served.executor, named) is ok
+
+
+def test_probe_reports_the_executors_health_over_mutual_tls(served, pki, capsys) -> None:
+    """`pagedserve probe`, the deployments' health check, with a certificate of the CA."""
+    cert, key = pki.client
+    tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", pki.ca]
+    assert main(["probe", served.executor, "--serving", *tls]) == 0
+    assert capsys.readouterr().out == f"{served.executor}: SERVING\n"
+    stranger = ["--tls-cert", pki.stranger[0], "--tls-key", pki.stranger[1], "--tls-ca", pki.ca]
+    for refused in (["--tls-ca", pki.ca], stranger, []):  # no certificate, another CA's, plaintext
+        assert main(["probe", served.executor, "--timeout", "2", *refused]) == 1
 
 
 def test_text_comes_back_over_https_with_a_client_certificate(served, pki) -> None:
