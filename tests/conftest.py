@@ -77,6 +77,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """The second real model, Gemma 3 270M, dequantised from its PyPI GGUF on first use."""
+    from pagedserve.model_files import GEMMA3_MODEL, resolve_model
+
+    return resolve_model(GEMMA3_MODEL)
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny shape with the default model's vocabulary, tokenizer and chat template:
     real text in and out at the cost of a toy model."""
