@@ -103,12 +103,16 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
               "x must be a [rows, in_features] float32 CPU tensor with contiguous rows");
   TORCH_CHECK(out_features >= 0, "out_features must be >= 0, got ", out_features);
   const int64_t panels = (out_features + cpu::kLinearPanel - 1) / cpu::kLinearPanel;
+  const at::ScalarType weight_dtype = weight.scalar_type();
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu() &&
-                  weight.scalar_type() == at::kFloat && weight.size(0) == panels &&
-                  weight.size(1) == x.size(1) && weight.size(2) == cpu::kLinearPanel,
+                  (weight_dtype == at::kFloat || weight_dtype == at::kBFloat16 ||
+                   weight_dtype == at::kHalf) &&
+                  weight.size(0) == panels && weight.size(1) == x.size(1) &&
+                  weight.size(2) == cpu::kLinearPanel,
               "weight must be packed by layer_ops.pack_linear_weight: a contiguous [", panels,
-              ", ", x.size(1), ", ", cpu::kLinearPanel, "] float32 CPU tensor, got ",
-              weight.sizes());
+              ", ", x.size(1), ", ", cpu::kLinearPanel,
+              "] float32, bfloat16 or float16 CPU tensor, got ", weight.sizes(), " ",
+              weight_dtype);
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == out_features &&
                     bias->scalar_type() == at::kFloat && bias->device().is_cpu(),
@@ -118,7 +122,8 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
   LinearParams p{};
   p.y = y.data_ptr<float>();
   p.x = x.data_ptr<float>();
-  p.weight = weight.data_ptr<float>();
+  p.weight = weight.data_ptr();
+  p.weight_dtype = weight_dtype;
   p.bias = bias ? bias->data_ptr<float>() : nullptr;
   p.x_row_stride = x.stride(0);
   p.rows = x.size(0);
