@@ -22,12 +22,17 @@ def load_model(
     shard: Shard | None = None,
 ) -> LlamaForCausalLM:
     """Build the paged model from a checkpoint directory's safetensors files; with a
-    ``shard``, only that tensor-parallel rank's slice of it."""
+    ``shard``, only that tensor-parallel rank's slice of it.
+
+    ``dtype`` is the weights'. On a GPU the activations share it; on CPU they are fp32 whatever
+    ``dtype`` is: the projections, the logits' weight and the embeddings are packed in ``dtype``
+    for the C++ kernels, which widen them to fp32 as they read them; norms and biases stay fp32.
+    """
     config = load_config(path)
     if shard is not None:
         config = shard.shard_config(config)
     with torch.device(device):
-        model = LlamaForCausalLM(config, max_positions).to(dtype)
+        model = LlamaForCausalLM(config, max_positions).to(activation_dtype(dtype, device))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
@@ -39,10 +44,14 @@ def load_model(
     if shard is not None:
         shard.add_all_reduces(model)
     if device.type == "cpu":
-        if dtype == torch.float32:
-            model.pack_linears(fuse_layers=shard is None)
+        model.pack_linears(dtype, fuse_layers=shard is None)
         host_memory.pack_parameters(model)
     return model.eval()
+
+
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model with ``dtype`` weights computes in on ``device`` (see load_model)."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def _tracked(f, bar: tqdm):

@@ -27,8 +27,10 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key_cache
                             const std::optional<at::Tensor>& query_start_loc) {
   check_cache_pair(key_cache, value_cache, at::kCPU);
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu() &&
-                  query.scalar_type() == key_cache.scalar_type(),
-              "query must be a [num_tokens, num_heads, head_dim] CPU tensor of the caches' dtype");
+                  (query.scalar_type() == key_cache.scalar_type() ||
+                   query.scalar_type() == at::kFloat),
+              "query must be a [num_tokens, num_heads, head_dim] CPU tensor of the caches' dtype "
+              "or float32");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from the query's");
   TORCH_CHECK(query.size(2) % 8 == 0, "head_dim must be a multiple of 8, got ", query.size(2));
@@ -77,7 +79,7 @@ at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_
   p.num_blocks = key_cache.size(0);
   p.max_num_blocks_per_seq = block_tables.size(1);
   p.scale = static_cast<float>(scale);
-  cpu::paged_attention(query.scalar_type(), p);
+  cpu::paged_attention(query.scalar_type(), key_cache.scalar_type(), p);
   return out;
 }
 
@@ -285,7 +287,9 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
     at::Tensor v =
         qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
     rotary_embedding_op(positions, q, k, cos, sin);
-    reshape_and_cache_op(k, v, key_cache, value_cache, slot_mapping);
+    const at::ScalarType cache_dtype = key_cache.scalar_type();  // fp32, or 16 bits to halve it
+    reshape_and_cache_op(k.to(cache_dtype), v.to(cache_dtype), key_cache, value_cache,
+                         slot_mapping);
     at::Tensor attn = attend(q, key_cache, value_cache, step, scale);
     at::Tensor out = linear_op(attn.view({num_tokens, q_size}), *w[3], std::nullopt,
                                hidden_size, 0);
@@ -332,7 +336,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("decode_context_lens"), py::arg("decode_block_tables"), py::arg("cos"),
         py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
-        "a Llama decoder's layers on fp32 CPU tensors with packed projections");
+        "a Llama decoder's layers on fp32 CPU activations with packed projections (fp32, bf16 "
+        "or fp16) and caches of any of those dtypes");
   m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, NoGil(), py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"));

@@ -8,7 +8,7 @@
 namespace pagedserve::cpu {
 
 struct AttentionParams {
-  void* out;                       // [num_tokens, num_heads, head_dim], contiguous
+  void* out;                       // [num_tokens, num_heads, head_dim], contiguous, query's dtype
   const void* query;               // [num_tokens, num_heads, head_dim], heads contiguous
   const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
   const void* value_cache;         // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -28,7 +28,9 @@ struct AttentionParams {
 
 // Causal attention of each sequence's new tokens over its context, read in place through the
 // block table; parallel over (sequence, kv head, tile of new tokens) on torch's intra-op threads.
-void paged_attention(c10::ScalarType dtype, const AttentionParams& params);
+// out has query's dtype: the caches' or float32 (fp32 activations over a 16-bit cache).
+void paged_attention(c10::ScalarType query_dtype, c10::ScalarType cache_dtype,
+                     const AttentionParams& params);
 
 // Output features per panel of a packed linear weight (layer_ops.LINEAR_PANEL).
 constexpr int64_t kLinearPanel = 32;
