@@ -39,7 +39,7 @@ struct LinearParams {
   float* y;              // [rows, out_features], contiguous
   const float* x;        // [rows, in_features], elements contiguous within a row
   const void* weight;    // packed: [ceil(out_features / 32), in_features, 32], zero-padded
-  c10::ScalarType weight_dtype;  // Float, BFloat16 or Half; products and sums are fp32
+  c10::ScalarType weight_dtype;  // Float, BFloat16 or Half
   const float* bias;     // [out_features] or nullptr
   int64_t x_row_stride;  // elements between two rows of x
   int64_t rows;
@@ -47,8 +47,9 @@ struct LinearParams {
   int64_t out_features;
 };
 
-// y = x W^T + b in fp32 (W's 16-bit values widened exactly); parallel over panels of rows and runs of weight panels. vector_floats 8 picks
-// 8-float vectors even where the CPU has 16 (tests, benchmarks); anything else, the widest.
+// y = x W^T + b in fp32 (16-bit weights widened exactly); parallel over panels of rows and runs
+// of weight panels. vector_floats 8 picks 8-float vectors even where the CPU has 16 (tests,
+// benchmarks); anything else, the widest.
 void linear(const LinearParams& params, int64_t vector_floats);
 
 struct RmsNormParams {

@@ -1,8 +1,9 @@
 // y = x W^T + b on CPU with W packed once, at load, into panels of 32 output features.
 //
-// x, b and y are fp32; W is fp32, bf16 or fp16, converted to fp32 in registers as each panel row
-// is loaded (bf16: zero-extend to 32 bits, shift left 16; fp16: a few integer operations), so every product
-// and sum is the fp32 one over W's values, and a 16-bit W halves the bytes a decode step reads.
+// x, b and y are fp32; W is fp32, bf16 or fp16, widened exactly to fp32 in registers as each
+// panel row is loaded (bf16: zero-extend to 32 bits, shift left 16; fp16: a few integer
+// operations), so every product and sum is the fp32 one over W's values, and a 16-bit W halves
+// the bytes a decode step reads.
 //
 // A decode step's few rows read every weight once, so W's memory traffic sets the pace up to a
 // few dozen rows, and arithmetic beyond. Packed, a panel is one contiguous [K, 32] run
@@ -85,16 +86,17 @@ PAGEDSERVE_INLINE V half_bits_to_float(Wide h) {
   constexpr int32_t kExponent = 0x7c00 << 13;  // fp16's exponent field, moved to fp32's place
   Wide bits = (h & 0x7fff) << 13;
   const Wide exponent = bits & kExponent;
-  bits += (127 - 15) << 23;                                    // rebias
-  bits += exponent == kExponent ? (128 - 16) << 23 : Wide{};  // Inf / NaN stay so
-  const Wide tiny = exponent == Wide{};                        // zero or subnormal
-  bits += tiny ? 1 << 23 : Wide{};
-  V v;
+  bits += (127 - 15) << 23;                              // rebias
+  bits += (exponent == kExponent) & ((128 - 16) << 23);  // Inf / NaN stay so
+  const Wide tiny = exponent == 0;                       // zero or subnormal: all ones
+  bits += tiny & (1 << 23);
+  V v, renormalised;
   std::memcpy(&v, &bits, sizeof(v));
-  v = tiny ? v - 6.103515625e-05f : v;  // renormalise: minus 2^-14
-  Wide out;
+  renormalised = v - 6.103515625e-05f;  // minus 2^-14
+  Wide out, fixed;
   std::memcpy(&out, &v, sizeof(out));
-  out |= (h & 0x8000) << 16;
+  std::memcpy(&fixed, &renormalised, sizeof(fixed));
+  out = ((out & ~tiny) | (fixed & tiny)) | ((h & 0x8000) << 16);
   std::memcpy(&v, &out, sizeof(v));
   return v;
 }
