@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "vec.h"
@@ -190,13 +191,45 @@ PAGEDSERVE_INLINE void sweep_tail(int64_t rows, const LinearParams& p, const flo
   }
 }
 
+// Rows [m0, m1) against 16-bit panels [first, end), each widened once into `wide` (in_features
+// x 32 floats, in L2) and swept from there by every row block: only the first block would read
+// the panel from memory, and the others then skip the conversions. The same sums as sweeping
+// the 16-bit panel, since widening is exact.
+template <typename V, typename W>
+PAGEDSERVE_INLINE void piece_widened(const LinearParams& p, int64_t m0, int64_t m1,
+                                     int64_t first, int64_t end, float* wide) {
+  constexpr int R = kBlockRows<V>;
+  const int64_t panel_floats = p.in_features * kLinearPanel;
+  for (int64_t panel = first; panel < end; ++panel) {
+    const W* w = static_cast<const W*>(p.weight) + panel * panel_floats;
+    for (int64_t i = 0; i < panel_floats; i += kLanes<V>) {
+      store_as(wide + i, load_weights<V>(w + i));
+    }
+    const int64_t n = panel * kLinearPanel;
+    for (int64_t m = m0; m < m1; m += R) {
+      const float* x = p.x + m * p.x_row_stride;
+      float* y = p.y + m * p.out_features + n;
+      if (m + R <= m1) {
+        sweep<V, R>(p, x, static_cast<const float*>(wide), n, y, PanelPrefetch{});
+      } else {
+        sweep_tail<V, R - 1>(m1 - m, p, x, static_cast<const float*>(wide), n, y,
+                             PanelPrefetch{});
+      }
+    }
+  }
+}
+
 // Rows [m0, m1) against panels [first, end); prefetching ahead when this is the first row panel.
+// `wide`: room for one widened panel, or nullptr (fp32 weights).
 template <typename V, typename W>
 PAGEDSERVE_INLINE void piece(const LinearParams& p, int64_t m0, int64_t m1, int64_t first,
-                             int64_t end) {
+                             int64_t end, float* wide) {
   constexpr int R = kBlockRows<V>;
   const int64_t num_panels = (p.out_features + kLinearPanel - 1) / kLinearPanel;
   const int64_t blocks = (m1 - m0 + R - 1) / R;
+  if constexpr (!std::is_same_v<W, float>) {
+    if (blocks > 1) return piece_widened<V, W>(p, m0, m1, first, end, wide);
+  }
   const int64_t share = (p.in_features + blocks - 1) / blocks;  // k-rows each block prefetches
   for (int64_t panel = first; panel < end; ++panel) {
     const W* w = static_cast<const W*>(p.weight) + panel * p.in_features * kLinearPanel;
@@ -224,35 +257,43 @@ PAGEDSERVE_INLINE void piece(const LinearParams& p, int64_t m0, int64_t m1, int6
 
 // One clone set per weight dtype and vector width.
 PAGEDSERVE_CPU_CLONES void piece_narrow_float(const LinearParams& p, int64_t m0, int64_t m1,
-                                              int64_t first, int64_t end) {
-  piece<vfloat, float>(p, m0, m1, first, end);
+                                              int64_t first, int64_t end, float* wide) {
+  piece<vfloat, float>(p, m0, m1, first, end, wide);
 }
 PAGEDSERVE_CPU_CLONES void piece_narrow_bfloat16(const LinearParams& p, int64_t m0, int64_t m1,
-                                                 int64_t first, int64_t end) {
-  piece<vfloat, c10::BFloat16>(p, m0, m1, first, end);
+                                                 int64_t first, int64_t end, float* wide) {
+  piece<vfloat, c10::BFloat16>(p, m0, m1, first, end, wide);
 }
 PAGEDSERVE_CPU_CLONES void piece_narrow_half(const LinearParams& p, int64_t m0, int64_t m1,
-                                             int64_t first, int64_t end) {
-  piece<vfloat, c10::Half>(p, m0, m1, first, end);
+                                             int64_t first, int64_t end, float* wide) {
+  piece<vfloat, c10::Half>(p, m0, m1, first, end, wide);
 }
 
 #ifdef PAGEDSERVE_CPU_CLONES_X86
 #define PAGEDSERVE_X86_64_V4 __attribute__((target("arch=x86-64-v4")))
 PAGEDSERVE_X86_64_V4 void piece_wide_float(const LinearParams& p, int64_t m0, int64_t m1,
-                                           int64_t first, int64_t end) {
-  piece<vfloat16, float>(p, m0, m1, first, end);
+                                           int64_t first, int64_t end, float* wide) {
+  piece<vfloat16, float>(p, m0, m1, first, end, wide);
 }
 PAGEDSERVE_X86_64_V4 void piece_wide_bfloat16(const LinearParams& p, int64_t m0, int64_t m1,
-                                              int64_t first, int64_t end) {
-  piece<vfloat16, c10::BFloat16>(p, m0, m1, first, end);
+                                              int64_t first, int64_t end, float* wide) {
+  piece<vfloat16, c10::BFloat16>(p, m0, m1, first, end, wide);
 }
 PAGEDSERVE_X86_64_V4 void piece_wide_half(const LinearParams& p, int64_t m0, int64_t m1,
-                                          int64_t first, int64_t end) {
-  piece<vfloat16, c10::Half>(p, m0, m1, first, end);
+                                          int64_t first, int64_t end, float* wide) {
+  piece<vfloat16, c10::Half>(p, m0, m1, first, end, wide);
 }
 #endif
 
-using PieceFn = void (*)(const LinearParams&, int64_t, int64_t, int64_t, int64_t);
+using PieceFn = void (*)(const LinearParams&, int64_t, int64_t, int64_t, int64_t, float*);
+
+// This thread's room for one widened panel of `floats`, kept between calls (a fresh buffer per
+// call would cost a page-faulted allocation each time).
+float* widening_buffer(int64_t floats) {
+  static thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
 
 // 16-float vectors where the CPU has them, unless the caller asks for 8.
 PieceFn pick_piece(c10::ScalarType weight_dtype, int64_t vector_floats) {
@@ -293,12 +334,14 @@ void linear(const LinearParams& params, int64_t vector_floats) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_pieces);
   const PieceFn run_piece = pick_piece(params.weight_dtype, vector_floats);
   std::atomic<int64_t> next{0};
+  const bool widen = params.weight_dtype != c10::ScalarType::Float;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    float* wide = widen ? widening_buffer(params.in_features * kLinearPanel) : nullptr;
     for (int64_t i = next++; i < num_pieces; i = next++) {
       const int64_t m0 = i / runs * panel_rows;
       const int64_t first = i % runs * kPiecePanels;
       run_piece(params, m0, std::min(m0 + panel_rows, params.rows), first,
-                std::min(first + kPiecePanels, num_panels));
+                std::min(first + kPiecePanels, num_panels), wide);
     }
   });
 }
