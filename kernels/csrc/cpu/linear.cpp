@@ -1,9 +1,10 @@
 // y = x W^T + b on CPU with W packed once, at load, into panels of 32 output features.
 //
-// x, b and y are fp32; W is fp32, bf16 or fp16, widened exactly to fp32 in registers as each
-// panel row is loaded (bf16: zero-extend to 32 bits, shift left 16; fp16: a few integer
-// operations), so every product and sum is the fp32 one over W's values, and a 16-bit W halves
-// the bytes a decode step reads.
+// x, b and y are fp32; W is fp32, bf16 or fp16, widened exactly to fp32 (bf16: zero-extend to
+// 32 bits, shift left 16; fp16: a few integer operations) in registers as each panel row is
+// loaded, or once per panel into an L2 buffer when several row blocks sweep it (piece_widened).
+// Every product and sum is the fp32 one over W's values, and a 16-bit W halves the bytes a
+// decode step reads.
 //
 // A decode step's few rows read every weight once, so W's memory traffic sets the pace up to a
 // few dozen rows, and arithmetic beyond. Packed, a panel is one contiguous [K, 32] run
