@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.5,torch==2.13.0)
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
-.PHONY: install serve test bench bench-full lint format clean
+.PHONY: install serve test gpu-check bench bench-full faults lint format clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU: is the GPU executor right, and how fast (gpu_check/report.json).
+gpu-check: install
+	scripts/gpu_check.sh gpu_check
 
 # Benchmarks write JSON + PNG into bench/results/ (bench-full: bench/results/full/).
 # VLLM_PYTHON=PATH/TO/venv/bin/python adds vLLM's CPU build (see bench/PEERS.md).
@@ -78,6 +82,13 @@ bench-full: install
 		--json $(RES)/full/control_plane.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
+
+# Fault suite (issue 30): about 10 minutes on 2 cores; the table on stdout and in
+# bench/results/faults.json. FAULTS_ARGS="--soak-minutes 30" adds the soak, "--model
+# SmolLM2-135M-Instruct" the real model.
+FAULTS_ARGS ?=
+faults: install
+	$(PY) bench/faults.py --json $(RES)/faults.json $(FAULTS_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

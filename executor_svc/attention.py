@@ -33,12 +33,20 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """Writes the step's K/V into their slots, then attends through the block tables."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int = 0,
+        scale: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window  # positions a token sees, itself included; 0: all
 
     def forward(
         self,
@@ -62,6 +70,7 @@ class PagedAttention(nn.Module):
                     meta.prefill_query_start_loc,
                     meta.prefill_context_lens,
                     self.scale,
+                    self.sliding_window,
                 )
             )
         if split < query.shape[0]:
@@ -73,6 +82,7 @@ class PagedAttention(nn.Module):
                     meta.decode_block_tables,
                     meta.decode_context_lens,
                     self.scale,
+                    self.sliding_window,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

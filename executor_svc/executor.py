@@ -16,6 +16,7 @@ from executor_svc.parallel import Shard, check_divisible, pick_device
 from executor_svc.sampler import Sampler
 from executor_svc.weights import activation_dtype, load_model
 from executor_svc.workers import WorkerGroup
+from pagedserve.architectures import decoder_spec
 from pagedserve.model_files import load_config, load_tokenizer, resolve_model
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import ExecutorConfig
@@ -44,10 +45,8 @@ class Executor:
         )
         self.model_path = resolve_model(config.model)
         hf_config = load_config(self.model_path)
-        self.max_model_len = min(
-            config.max_model_len or hf_config.max_position_embeddings,
-            hf_config.max_position_embeddings,
-        )
+        max_positions = decoder_spec(hf_config).max_positions
+        self.max_model_len = min(config.max_model_len or max_positions, max_positions)
         self.workers: WorkerGroup | None = None
         if shard is None and world_size > 1:
             check_divisible(hf_config, world_size)

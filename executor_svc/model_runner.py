@@ -11,7 +11,7 @@ import torch
 from executor_svc.attention import AttentionMetadata
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.grammar import GrammarMasks
-from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.models.layers import CausalLM
 from executor_svc.parallel import Shard
 from executor_svc.prompt_scorer import score_prompts
 from executor_svc.sampler import Sampler
@@ -32,7 +32,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         cache: CacheEngine,
         sampler: Sampler,
         device: torch.device,

@@ -28,6 +28,7 @@ from executor_svc.step_guard import (
     validate_pairs,
     validate_step,
 )
+from pagedserve.heap import tune_garbage_collector
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.registry import ExecutorRecord
 from pagedserve.rpc import GRPC_OPTIONS
@@ -38,9 +39,10 @@ from pagedserve.rpc.convert import (
     stats_to_pb,
     step_from_pb,
 )
+from pagedserve.rpc.tls import add_port, server_credentials
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
-from pagedserve.settings import ExecutorConfig, RegistrationOptions
+from pagedserve.settings import ExecutorConfig, RegistrationOptions, TlsOptions
 from pagedserve.step import ExecuteStep, StepResult
 
 log = structlog.get_logger("executor_svc.server")
@@ -161,6 +163,20 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.metrics.observe_step(step, result, elapsed)
         return result
 
+    async def Fence(
+        self, request: pb.FenceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FenceResponse:
+        """Under the lock: a step of the old leader that is running ends before the fence
+        answers (and shows in ``last_step_id``); one that arrives later is refused."""
+        last_step_id = await self._locked(context, self._fence, request.epoch)
+        return pb.FenceResponse(last_step_id=last_step_id)
+
+    def _fence(self, epoch: int) -> int | None:
+        last_step_id = self.ledger.fence(epoch)
+        self.stats.epoch = self.ledger.epoch
+        log.info("executor.fenced", epoch=epoch, last_step_id=last_step_id)
+        return last_step_id
+
     async def EndSteps(
         self, request: pb.EndStepsRequest, context: grpc.aio.ServicerContext
     ) -> pb.EndStepsResponse:
@@ -230,6 +246,7 @@ async def _serve(
     port: int,
     registration: RegistrationOptions | None,
     metrics_port: int = 0,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     health = health_aio.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -241,7 +258,7 @@ async def _serve(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, credentials)
     except RuntimeError as e:  # grpc's way of saying the address is taken or invalid
         raise OSError(f"cannot listen on {address}: {e}") from None
     stop = asyncio.Event()
@@ -280,13 +297,15 @@ def serve(
     registration: RegistrationOptions | None = None,
     metrics_port: int = 9100,
     make_executor: Callable[[ExecutorConfig], Executor] = Executor,
+    tls: TlsOptions | None = None,
 ) -> int:
     """Load the model, then serve until SIGTERM or SIGINT; returns the exit status.
 
     With ``registration`` the executor announces itself in Redis and drains on SIGTERM.
     Prometheus metrics are served on ``metrics_port`` (0: not at all). ``make_executor``
     builds the executor on its thread (bench/standin_executor.py: a forward pass that
-    only sleeps, to measure everything around it).
+    only sleeps, to measure everything around it). With ``tls`` the port is served over
+    TLS; given a CA it refuses every client without a certificate that CA signed.
     """
     log.info(
         "executor.loading",
@@ -294,13 +313,18 @@ def serve(
         device=config.device,
         tensor_parallel_size=config.tensor_parallel_size,
     )
+    # Read before the model loads: a missing certificate fails the start at once.
+    credentials = None if tls is None else server_credentials(tls, tls.tls_ca is not None)
     start = time.perf_counter()
     host_memory.one_malloc_arena()  # before the step thread's first allocation
     with ThreadPoolExecutor(1, thread_name_prefix="executor") as thread:  # see ExecutorService
         executor = thread.submit(make_executor, config).result()
         log.info("executor.loaded", seconds=round(time.perf_counter() - start, 2))
+        tune_garbage_collector()
         try:
-            asyncio.run(_serve(executor, thread, host, port, registration, metrics_port))
+            asyncio.run(
+                _serve(executor, thread, host, port, registration, metrics_port, credentials)
+            )
         except OSError as e:
             log.error("executor.failed", error=str(e))
             return 1

@@ -138,8 +138,9 @@ class StepLedger:
        different content.
     4. Otherwise the step is applied. A new epoch may restart its step ids anywhere.
 
-    Judging changes nothing: ``E`` rises only when a step is applied (``record``) or
-    answered as a replay (``adopt``), so a call refused for any reason fences no one.
+    Judging changes nothing: ``E`` rises only when a step is applied (``record``),
+    answered as a replay (``adopt``) or a new leader fences (``fence``), so a call refused
+    for any reason fences no one.
     """
 
     def __init__(self) -> None:
@@ -164,6 +165,17 @@ class StepLedger:
                 f"step {step_id} of epoch {epoch}: {reason}, last applied is {last.step_id}"
             )
         return None
+
+    def fence(self, epoch: int) -> int | None:
+        """A new leader's fence: ``epoch`` becomes the newest seen, so no step of an older
+        one is applied after this. Returns the last applied step id (None: none yet).
+
+        Raises PreconditionFailed for an epoch older than the newest seen (changes nothing).
+        """
+        if epoch < self.epoch:
+            raise PreconditionFailed(f"epoch {epoch} is older than the newest seen, {self.epoch}")
+        self.epoch = epoch
+        return None if self._last is None else self._last.step_id
 
     def adopt(self, epoch: int) -> StepResult:
         """Answer a replay judged in ``epoch``: the last applied step becomes that epoch's

@@ -94,8 +94,10 @@ def paged_attention_decode(
     block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
     context_lens: Tensor,  # [num_seqs] int32, >= 1, the new token included
     scale: float,
+    sliding_window: int = 0,
 ) -> Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
-    """Attention of one new token per sequence over its whole context, read from the paged cache.
+    """Attention of one new token per sequence over its whole context, read from the paged cache;
+    with ``sliding_window`` > 0 over its last that many positions (itself included).
 
     The new token's K/V must already be in the cache, which is read in place on either device.
     The cache may be in another dtype than the query: on CPU a float32 query reads a 16-bit
@@ -106,11 +108,18 @@ def paged_attention_decode(
         return torch.empty_like(query)
     if query.is_cuda:
         out = cuda_extension().paged_attention_decode(
-            query.to(key_cache.dtype), key_cache, value_cache, block_tables, context_lens, scale
+            query.to(key_cache.dtype),
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            0,
+            sliding_window,
         )
         return out.to(query.dtype)
     return cpu_extension().paged_attention(
-        query, key_cache, value_cache, block_tables, context_lens, None, scale
+        query, key_cache, value_cache, block_tables, context_lens, None, scale, sliding_window
     )
 
 
@@ -122,8 +131,10 @@ def paged_attention_prefill(
     query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative offsets into query
     context_lens: Tensor,  # [num_seqs] int32, cached prefix + new tokens
     scale: float,
+    sliding_window: int = 0,
 ) -> Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves;
+    with ``sliding_window`` > 0 a token sees only the last that many positions (itself included).
 
     One sequence, context_len = 7, q_len = 3 (its K/V already written to the cache):
 
@@ -139,7 +150,14 @@ def paged_attention_prefill(
         return torch.empty_like(query)
     if not query.is_cuda:
         return cpu_extension().paged_attention(
-            query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            scale,
+            sliding_window,
         )
     num_heads, head_dim = query.shape[1:]
     num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
@@ -156,7 +174,10 @@ def paged_attention_prefill(
     q_pos = (context_lens[:, None] - q_lens[:, None] + rows)[:, :, None]  # [num_seqs, max_q, 1]
     positions = torch.arange(keys.shape[2], device=query.device)
     # Padded rows attend everywhere so that they stay finite; they are dropped below.
-    allowed = (positions <= q_pos) | ~valid[:, :, None]  # [num_seqs, max_q, max_ctx]
+    allowed = positions <= q_pos
+    if sliding_window > 0:
+        allowed &= positions > q_pos - sliding_window
+    allowed |= ~valid[:, :, None]  # [num_seqs, max_q, max_ctx]
     mask = allowed[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)

@@ -59,14 +59,17 @@ def paged_attention_decode(
     block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
     context_lens: Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int = 0,
 ) -> Tensor:  # [num_seqs, num_heads, head_dim]
-    """The new token of each sequence attends to all context_len positions."""
+    """The new token of each sequence attends to all context_len positions, or to the last
+    ``sliding_window`` of them."""
     out = torch.empty_like(query)
     for seq, (table, context_len) in enumerate(
         zip(block_tables.tolist(), context_lens.tolist(), strict=True)
     ):
-        keys = _context(key_cache, table, context_len)
-        values = _context(value_cache, table, context_len)
+        first = _window_start(context_len - 1, sliding_window)
+        keys = _context(key_cache, table, context_len)[first:]
+        values = _context(value_cache, table, context_len)[first:]
         out[seq] = _attend(query[seq], keys, values, scale).to(query.dtype)
     return out
 
@@ -79,8 +82,10 @@ def paged_attention_prefill(
     query_start_loc: Tensor,  # [num_seqs + 1] int32
     context_lens: Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int = 0,
 ) -> Tensor:  # [num_tokens, num_heads, head_dim]
-    """New token i of a sequence (position context_len - q_len + i) sees positions <= its own."""
+    """New token i of a sequence (position context_len - q_len + i) sees positions <= its own
+    (and, with a sliding window, the last ``sliding_window`` of them)."""
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for seq, (table, context_len) in enumerate(
@@ -92,9 +97,15 @@ def paged_attention_prefill(
         for i in range(q_len):
             pos = context_len - q_len + i
             token = starts[seq] + i
-            attended = _attend(query[token], keys[: pos + 1], values[: pos + 1], scale)
+            first = _window_start(pos, sliding_window)
+            attended = _attend(query[token], keys[first : pos + 1], values[first : pos + 1], scale)
             out[token] = attended.to(query.dtype)
     return out
+
+
+def _window_start(pos: int, sliding_window: int) -> int:
+    """The first position the token at ``pos`` sees."""
+    return max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
 
 
 def copy_blocks(

@@ -10,11 +10,13 @@ from pathlib import Path
 
 from pagedserve.flags import add_flags, apply_environment, from_args
 from pagedserve.settings import (
+    SCHEDULER_ONLY_TLS,
     ApiConfig,
     EngineOptions,
     ExecutorConfig,
     RegistrationOptions,
     SchedulerOptions,
+    TlsOptions,
 )
 
 
@@ -127,6 +129,7 @@ def _add_executor(sub: argparse._SubParsersAction) -> None:
     )
     add_flags(p, RegistrationOptions)
     add_flags(p, ExecutorConfig)
+    add_flags(p, TlsOptions, skip=SCHEDULER_ONLY_TLS)
     p.set_defaults(func=_run_executor)
 
 
@@ -144,6 +147,7 @@ def _run_executor(args: argparse.Namespace) -> int:
         port=args.port,
         registration=registration,
         metrics_port=args.metrics_port,
+        tls=from_args(TlsOptions, args),
     )
 
 
@@ -152,6 +156,7 @@ def _add_scheduler(sub: argparse._SubParsersAction) -> None:
     add_flags(p, ApiConfig)
     add_flags(p, SchedulerOptions)
     add_flags(p, EngineOptions)
+    add_flags(p, TlsOptions)
     p.set_defaults(func=_run_scheduler)
 
 
@@ -163,6 +168,38 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
     configure_logging()
     return asyncio.run(serve(from_args(SchedulerOptions, args), from_args(ApiConfig, args)))
+
+
+def _add_probe(sub: argparse._SubParsersAction) -> None:
+    p = _command(sub, "probe", "exit 0 if an executor answers gRPC health (a health check)")
+    p.add_argument("address", nargs="?", default="127.0.0.1:50051", help="executor HOST:PORT")
+    p.add_argument(
+        "--serving", action="store_true", help="also require SERVING (its pools allocated)"
+    )
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    add_flags(p, TlsOptions, skip=("tls_client_auth", "tls_http"))
+    p.set_defaults(func=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    """Standard gRPC health of the executor at ``args.address``, over TLS as a scheduler
+    would dial it; 1 if it does not answer (or, with --serving, is not SERVING)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pagedserve.rpc.tls import executor_channel
+
+    with executor_channel(args.address, from_args(TlsOptions, args), options=()) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=args.timeout
+            )
+        except grpc.RpcError as e:
+            print(f"pagedserve probe: {args.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" or not args.serving else 1
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -178,6 +215,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_flags(p, SchedulerOptions, skip=("executors", "tokenizer", "routing"))
     add_flags(p, EngineOptions)
     add_flags(p, ExecutorConfig)
+    add_flags(p, TlsOptions)
     p.set_defaults(func=_run_serve)
 
 
@@ -199,8 +237,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     """Start the executor as a child process, then the scheduler here; stop both together."""
     import subprocess
 
-    config = from_args(ExecutorConfig, args)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(config).items() if v is not None]
+    config, tls = from_args(ExecutorConfig, args), from_args(TlsOptions, args)
+    given = vars(config) | {k: v for k, v in vars(tls).items() if k not in SCHEDULER_ONLY_TLS}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in given.items() if v is not None]
     executor = subprocess.Popen(
         [
             sys.executable,
@@ -235,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_executor(sub)
     _add_scheduler(sub)
     _add_serve(sub)
+    _add_probe(sub)
     apply_environment(parser, os.environ)
     return parser
 

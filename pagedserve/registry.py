@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import redis
 
+from pagedserve.redis_url import check_redis_url
+
 
 @dataclass(frozen=True, slots=True)
 class ExecutorRecord:
@@ -45,8 +47,7 @@ class ExecutorRegistry:
     """Registration, heartbeat and drain hand-shake of executors, on one Redis."""
 
     def __init__(self, url: str, namespace: str = "pagedserve", ttl_s: float = 3.0) -> None:
-        if not url.startswith("redis://"):
-            raise ValueError(f"the executor registry needs a redis:// URL, got {url!r}")
+        check_redis_url(url)
         self.namespace = namespace
         self.ttl_s = ttl_s
         self._redis = redis.Redis.from_url(

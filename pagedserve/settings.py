@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 
 from pagedserve.model_info import ModelInfo
+from pagedserve.redis_url import check_redis_url
 
 
 class PreemptionMode(enum.Enum):
@@ -227,12 +228,19 @@ class ApiConfig:
 
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=8000, metadata=_help("HTTP port"))
-    api_key: str | None = field(
-        default=None,
+    api_keys: tuple[str, ...] = field(
+        default=(),
         metadata=_help(
-            "require 'Authorization: Bearer KEY' on every route but /health and the "
-            "/dashboard page (PAGEDSERVE_API_KEY keeps it out of the process list)"
+            "an accepted API key, repeatable: 'Authorization: Bearer KEY' is then required "
+            "on every route but /health, /docs, /openapi.json and the /dashboard page, and "
+            "on the gRPC front door. A key on the command line shows in ps: prefer "
+            "--api-key-file or PAGEDSERVE_API_KEY=KEY1,KEY2",
+            flag="api_key",
         ),
+    )
+    api_key_file: str | None = field(
+        default=None,
+        metadata=_help("file of accepted API keys, one a line (# comments), with --api-key's"),
     )
     max_n: int = field(default=16, metadata=_help("largest n (and best_of) accepted"))
     max_prompts: int = field(
@@ -240,6 +248,17 @@ class ApiConfig:
     )
     max_logprobs: int = field(default=20, metadata=_help("largest logprobs accepted"))
     max_body_bytes: int = field(default=4 << 20, metadata=_help("largest request body"))
+    max_stops: int = field(
+        default=16, metadata=_help("most stop strings, and most stop_token_ids, in a request")
+    )
+    max_messages: int = field(default=1024, metadata=_help("most messages in a chat request"))
+    max_requests_per_key: int = field(
+        default=256,
+        metadata=_help(
+            "most completions one API key may have in flight at once (streaming or not; "
+            "0: no limit); without keys, --max-waiting-requests alone bounds the queue"
+        ),
+    )
     executor_budget_s: float = field(
         default=30.0,
         metadata=_help(
@@ -251,10 +270,77 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if min(self.max_n, self.max_prompts, self.max_body_bytes) < 1 or self.max_logprobs < 0:
+        if any(not key or "," in key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty, without commas or outer spaces")
+        limits = (self.max_n, self.max_prompts, self.max_body_bytes, self.max_messages)
+        if min(limits) < 1 or min(self.max_logprobs, self.max_stops, self.max_requests_per_key) < 0:
             raise ValueError(
-                "max_n, max_prompts and max_body_bytes >= 1 and max_logprobs >= 0 required"
+                "max_n, max_prompts, max_body_bytes and max_messages >= 1 and max_logprobs, "
+                "max_stops and max_requests_per_key >= 0 required"
             )
+
+
+REDIS_URL_HELP = (
+    "redis:// or rediss:// (TLS) URL: redis[s]://[USER:PASSWORD@]HOST:PORT/DB, USER an ACL "
+    "user; ?ssl_ca_certs=PEM (and ssl_certfile, ssl_keyfile) for a private CA. A password "
+    "here shows in ps: pass the URL as PAGEDSERVE_STATE_STORE instead"
+)
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """TLS of the gRPC ports a process serves and of the executors a scheduler dials."""
+
+    tls_cert: str | None = field(
+        default=None,
+        metadata=_help(
+            "PEM certificate (chain) this process serves its gRPC port(s) with, and a "
+            "scheduler presents to executors as its client certificate"
+        ),
+    )
+    tls_key: str | None = field(default=None, metadata=_help("PEM private key of --tls-cert"))
+    tls_ca: str | None = field(
+        default=None,
+        metadata=_help(
+            "PEM CA certificates: an executor then requires client certificates signed by "
+            "them (mutual TLS); a scheduler checks executors' certificates against them "
+            "(default: the system's roots) and, with --tls-client-auth, its own clients'"
+        ),
+    )
+    tls_client_auth: bool = field(
+        default=False,
+        metadata=_help(
+            "scheduler: its gRPC front door (and HTTP with --tls-http) also requires client "
+            "certificates signed by --tls-ca"
+        ),
+    )
+    tls_http: bool = field(
+        default=False, metadata=_help("scheduler: serve the HTTP API over TLS with --tls-cert")
+    )
+    tls_server_name: str | None = field(
+        default=None,
+        metadata=_help(
+            "scheduler: the name executors' certificates must carry (default: the host "
+            "dialled; set it where executors register by IP)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if (self.tls_client_auth or self.tls_http) and self.tls_cert is None:
+            raise ValueError("--tls-client-auth and --tls-http need --tls-cert and --tls-key")
+        if self.tls_client_auth and self.tls_ca is None:
+            raise ValueError("--tls-client-auth needs --tls-ca")
+
+    @property
+    def dials_tls(self) -> bool:
+        """Whether executors are dialled over TLS: with a certificate or a CA to check."""
+        return self.tls_cert is not None or self.tls_ca is not None
+
+
+# What an executor takes of TlsOptions: it always requires client certificates given a CA.
+SCHEDULER_ONLY_TLS = ("tls_client_auth", "tls_http", "tls_server_name")
 
 
 @dataclass(frozen=True)
@@ -270,6 +356,18 @@ class SchedulerOptions:
         ),
     )
     tokenizer: str | None = field(default=None, metadata=_help("default: the executor's model"))
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help("a Jinja chat template file, instead of the one the tokenizer ships"),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "defaults for the sampling fields a request leaves out: 'auto' takes the "
+            "generation_config.json beside the tokenizer (as vLLM does), 'vllm' only the "
+            "built-in ones, or a directory holding a generation_config.json"
+        ),
+    )
     routing: str = field(
         default="prefix",
         metadata=_help(
@@ -280,7 +378,7 @@ class SchedulerOptions:
     )
     state_store: str | None = field(
         default=None,
-        metadata=_help("redis://HOST:PORT/DB to survive restarts; default: in this process"),
+        metadata=_help("Redis to survive restarts; default: in this process. A " + REDIS_URL_HELP),
     )
     namespace: str = field(default="pagedserve", metadata=_help("Redis key prefix"))
     lease_ttl: float = field(
@@ -317,10 +415,13 @@ class SchedulerOptions:
         ),
     )
     engine: EngineOptions = field(default_factory=EngineOptions)
+    tls: TlsOptions = field(default_factory=TlsOptions)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
+        if self.state_store is not None:
+            check_redis_url(self.state_store)
 
 
 @dataclass(frozen=True)
@@ -329,8 +430,8 @@ class RegistrationOptions:
 
     state_store: str = field(
         metadata=_help(
-            "redis://HOST:PORT/DB: register there for schedulers to find (and drain on "
-            "SIGTERM); default: no registration, schedulers dial --executor"
+            "Redis to register in for schedulers to find (and drain on SIGTERM); default: "
+            "no registration, schedulers dial --executor. A " + REDIS_URL_HELP
         )
     )
     namespace: str = field(default="pagedserve", metadata=_help("Redis key prefix"))
@@ -346,6 +447,9 @@ class RegistrationOptions:
     )
     heartbeat_ttl_s: float = 3.0
 
+    def __post_init__(self) -> None:
+        check_redis_url(self.state_store)
+
     def address(self, host: str, port: int) -> str:
         """The address to register: the advertised one, else the listen address (a
         wildcard listen address is replaced by this host's IP)."""
@@ -356,13 +460,17 @@ class RegistrationOptions:
         return f"{host}:{port}"
 
 
+CRASH_POINTS = ("before_persist", "after_send", "after_persist", "after_execute")
+
+
 def crash_point() -> tuple[str, int] | None:
     """``PAGEDSERVE_CRASH_AT=where:step`` (tests only): kill -9 the scheduler at a step
-    boundary — ``before_persist``, ``after_persist`` or ``after_execute`` of step N."""
+    boundary — ``before_persist``, ``after_send`` (sent to the executor, not journaled),
+    ``after_persist`` or ``after_execute`` of step N."""
     value = os.environ.get("PAGEDSERVE_CRASH_AT")
     if not value:
         return None
     where, _, step = value.partition(":")
-    if where not in ("before_persist", "after_persist", "after_execute") or not step.isdigit():
+    if where not in CRASH_POINTS or not step.isdigit():
         raise ValueError(f"PAGEDSERVE_CRASH_AT must be WHERE:STEP, got {value!r}")
     return where, int(step)

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import structlog
 import uvicorn
 
+from pagedserve.heap import tune_garbage_collector
 from pagedserve.model_files import load_tokenizer, resolve_model
+from pagedserve.redis_url import redacted
 from pagedserve.registry import ExecutorRegistry
-from pagedserve.settings import ApiConfig, SchedulerOptions
-from scheduler_svc.api.admission import ModelCard
+from pagedserve.rpc.tls import server_credentials
+from pagedserve.settings import ApiConfig, SchedulerOptions, TlsOptions
+from scheduler_svc.api.admission import ModelCard, sampling_defaults
 from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, build_app
+from scheduler_svc.api.keys import ApiKeys
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import IdCounter, LLMEngine
@@ -52,15 +58,19 @@ class EngineFactory:
     def open_engine(self, address: str) -> LLMEngine:
         """Wait for the executor, allocate its pools (idempotent), build its engine."""
         options = self.options
-        client = ExecutorClient(address)
+        client = ExecutorClient(address, tls=options.tls)
         _wait_for_answer(client, options.connect_timeout_s)
         info = client.init_cache()  # a restarted scheduler gets the same pools
         if self.card is None:
-            tokenizer = load_tokenizer(resolve_model(options.tokenizer or info.model))
+            files = resolve_model(options.tokenizer or info.model)
+            tokenizer = load_tokenizer(files)
             if tokenizer is None:
                 raise ValueError(f"no tokenizer for {info.model}: pass --tokenizer PATH")
+            if options.chat_template is not None:
+                tokenizer.chat_template = Path(options.chat_template).read_text()
             self.tokenizer = tokenizer
-            self.card = ModelCard(info.model, info.vocab_size, info.max_model_len)
+            defaults = sampling_defaults(options.generation_config, files)
+            self.card = ModelCard(info.model, info.vocab_size, info.max_model_len, defaults)
         elif info.model != self.card.name:
             raise ValueError(f"executor {address} serves {info.model}, not {self.card.name}")
         cache_config, scheduler_config = options.engine.configs(info)
@@ -87,11 +97,9 @@ class EngineFactory:
 def open_store(options: SchedulerOptions) -> StateStore:
     if options.state_store is None:
         return InMemoryStateStore()
-    if not options.state_store.startswith("redis://"):
-        raise ValueError(f"--state-store must be a redis:// URL, got {options.state_store!r}")
     store = RedisStateStore(options.state_store, options.namespace)
     if not store.ping():
-        raise ValueError(f"no Redis answers at {options.state_store}")
+        raise ValueError(f"no Redis answers at {redacted(options.state_store)}")
     return store
 
 
@@ -130,6 +138,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     """
     # Lane steps, store and registry calls each hold a worker thread while they wait.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(64, "pagedserve"))
+    keys = ApiKeys.from_config(api_config)  # a bad key file stops the start, not a request
     store = open_store(options)
     registry = None
     if options.state_store is not None:
@@ -144,7 +153,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     if first is None:
         first = await asyncio.to_thread(_first_registered, registry, options.connect_timeout_s)
     template = await asyncio.to_thread(factory.open_engine, first)
-    fleet = Fleet(factory.open_engine, executors, registry)
+    fleet = Fleet(factory.open_engine, executors, registry, options.tls)
     lease = lease_for(store, options.lease_ttl) if registry is not None else None
     metrics, dashboard = SchedulerMetrics(), Dashboard()
     observers = StepObservers([metrics, dashboard])
@@ -159,18 +168,27 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
         (options.max_waiting_requests, options.max_waiting_tokens),
         metrics.count_refused,
     )
+    tune_garbage_collector()  # the tokenizer and the engines are built; no step has run
     await async_engine.start()
     tokenizer, card = factory.tokenizer, factory.card
-    app = build_app(Api(async_engine, tokenizer, card, api_config), metrics.render, dashboard)
+    api = Api(async_engine, tokenizer, card, api_config, keys)
+    app = build_app(api, metrics.render, dashboard)
     frontdoor = None
     if options.grpc_port is not None:
-        servicer = FrontDoorServicer(async_engine, tokenizer, card, api_config)
-        frontdoor = await start_frontdoor(servicer, api_config.host, options.grpc_port)
+        servicer = FrontDoorServicer(async_engine, tokenizer, card, api_config, keys)
+        credentials = server_credentials(options.tls, options.tls.tls_client_auth)
+        frontdoor = await start_frontdoor(servicer, api_config.host, options.grpc_port, credentials)
     config = uvicorn.Config(
-        app, host=api_config.host, port=api_config.port, log_level="warning", lifespan="off"
+        app,
+        host=api_config.host,
+        port=api_config.port,
+        log_level="warning",
+        lifespan="off",
+        **_https(options.tls),
     )
     server = uvicorn.Server(config)  # exits on SIGINT and SIGTERM
-    log.info("serving", url=f"http://{api_config.host}:{api_config.port}")
+    scheme = "https" if options.tls.tls_http else "http"
+    log.info("serving", url=f"{scheme}://{api_config.host}:{api_config.port}")
     watchdog = asyncio.create_task(_exit_when_dead(async_engine, server), name="watchdog")
     # uvicorn stops on SIGTERM or SIGINT, then raises the signal again under the handler
     # found before it started; a quiet one lets the cleanup below (and the caller's: the
@@ -185,6 +203,17 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
             await frontdoor.stop(grace=5)
         await async_engine.stop()
     return 1 if async_engine.died.is_set() else 0
+
+
+def _https(tls: TlsOptions) -> dict[str, object]:
+    """uvicorn's TLS arguments: --tls-cert for HTTP with --tls-http, client certificates
+    signed by --tls-ca with --tls-client-auth."""
+    if not tls.tls_http:
+        return {}
+    args: dict[str, object] = {"ssl_certfile": tls.tls_cert, "ssl_keyfile": tls.tls_key}
+    if tls.tls_client_auth:
+        args |= {"ssl_ca_certs": tls.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return args
 
 
 def _ignore_signal(signum: int, frame: object) -> None:

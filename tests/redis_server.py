@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
@@ -49,12 +49,22 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 class RedisServer:
     """A Redis server on a free port with its files in ``data_dir``. With ``append_only``
-    it can be killed, paused and restarted on the same port and file, as an outage would."""
+    it can be killed, paused and restarted on the same port and file, as an outage would.
+    ``args`` are further server options (ACL users, TLS) and ``url`` how clients reach it,
+    ``{port}`` in either standing for the port."""
 
-    def __init__(self, data_dir: Path, append_only: bool = True) -> None:
-        self.binary, self.data_dir, self.port = server_binary(), data_dir, free_port()
+    def __init__(
+        self,
+        data_dir: Path,
+        append_only: bool = True,
+        args: Sequence[str] = (),
+        url: str = "redis://127.0.0.1:{port}/0",
+        binary: str | None = None,
+    ) -> None:
+        self.binary, self.data_dir, self.port = binary or server_binary(), data_dir, free_port()
         self.append_only = append_only
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args = [a.format(port=self.port) for a in args]
+        self.url = url.format(port=self.port)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -64,6 +74,7 @@ class RedisServer:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
+        args += self.args
         self.proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
@@ -84,7 +95,7 @@ class RedisServer:
         return path.read_text()[-3000:] if path.exists() else ""
 
     def answers(self) -> bool:
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
             return bool(client.ping())
         except redis.RedisError:

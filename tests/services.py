@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -65,9 +66,12 @@ def start(args: list[str], log_name: str, env: dict[str, str] | None = None) -> 
     return proc
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    """Return once ``url`` answers /health; a process that does not get there is stopped
-    before the error is raised, so a failed start leaves nothing running."""
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout: float = 180.0, verify: ssl.SSLContext | bool = True
+) -> None:
+    """Return once ``url`` answers /health (``verify``: how an https one is checked); a
+    process that does not get there is stopped before the error is raised, so a failed
+    start leaves nothing running."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -76,7 +80,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> No
                 f"process exited {proc.returncode} before {url} was healthy:\n{tail}"
             )
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200:
                 return
         if time.monotonic() > deadline:
             stop(proc)

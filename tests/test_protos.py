@@ -42,6 +42,7 @@ def test_stubs_import_and_name_every_service() -> None:
             "CopyBlocks",
             "SwapBlocks",
             "GetStats",
+            "Fence",
         },
         (frontdoor_pb2, "FrontDoor", frontdoor_pb2_grpc.FrontDoorStub): {"Generate", "Abort"},
     }

@@ -107,12 +107,12 @@ def test_flags_build_the_options() -> None:
     assert options.engine == EngineOptions(
         max_num_seqs=9, preemption_mode=PreemptionMode.SWAP, enable_prefix_caching=True
     )
-    assert from_args(ApiConfig, args) == ApiConfig(api_key="k", max_n=4)
+    assert from_args(ApiConfig, args) == ApiConfig(api_keys=("k",), max_n=4)
 
 
 def test_the_environment_sets_what_the_command_line_leaves(monkeypatch) -> None:
     env = {
-        "PAGEDSERVE_API_KEY": "secret",
+        "PAGEDSERVE_API_KEY": "secret,second",
         "PAGEDSERVE_MAX_NUM_SEQS": "12",
         "PAGEDSERVE_ENABLE_PREFIX_CACHING": "true",
         "PAGEDSERVE_EXECUTOR": "a:1,b:2",
@@ -122,7 +122,7 @@ def test_the_environment_sets_what_the_command_line_leaves(monkeypatch) -> None:
         monkeypatch.setenv(name, value)
     args = build_parser().parse_args(["scheduler", "--max-num-seqs", "3"])
     options = from_args(SchedulerOptions, args)
-    assert from_args(ApiConfig, args).api_key == "secret"
+    assert from_args(ApiConfig, args).api_keys == ("secret", "second")
     assert options.executors == ("a:1", "b:2")
     assert options.engine.max_num_seqs == 3  # the command line wins
     assert options.engine.enable_prefix_caching

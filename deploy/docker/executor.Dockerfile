@@ -11,7 +11,7 @@ FROM nvidia/cuda:12.8.1-devel-ubuntu24.04
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 
-# TORCH_CUDA_ARCH_LIST: Ampere, Ada, Hopper; it stays set so that the build at run time finds
+# TORCH_CUDA_ARCH_LIST: Ampere, Ada, Hopper, Blackwell; it stays set so that the build at run time finds
 # the kernels built here. XDG_CACHE_HOME: where the default model lands once dequantised
 # from its GGUF (below).
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -20,7 +20,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
-    TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" \
+    TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0;10.0" \
     TORCH_EXTENSIONS_DIR=/opt/pagedserve/torch_extensions \
     XDG_CACHE_HOME=/opt/pagedserve/cache
 

@@ -1,8 +1,7 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 shapes) over the paged cache."""
+"""The Llama-family decoder over the paged cache: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 and
+Phi-3, whose differences (biases, q/k norms, sliding windows) ``DecoderSpec`` names."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -10,68 +9,31 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from executor_svc.attention import AttentionMetadata, PagedAttention
+from executor_svc.models.layers import CausalLM, KVCache, Linear, RMSNorm, RotaryEmbedding
 from kernels import layer_ops
 from kernels.ops import cpu_extension
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
-
-
-class Linear(nn.Linear):
-    """nn.Linear through kernels.layer_ops, whose CPU kernel wants the weight packed."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in_features]
-        return layer_ops.linear(x, self.weight, self.bias, self.out_features)
-
-    def pack(self, dtype: torch.dtype) -> None:
-        """Repack the loaded weight into layer_ops' panels in ``dtype`` (CPU)."""
-        self.weight = nn.Parameter(layer_ops.pack_linear_weight(self.weight.data, dtype), False)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        return layer_ops.rms_norm(x, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed from the checkpoint's rope parameters
-    (default, linear, dynamic, yarn, llama3 ...) by transformers' own initialiser."""
-
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
-        super().__init__()
-        hf = LlamaRotaryEmbedding(config)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * hf.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * hf.attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * hf.attention_scaling, persistent=False)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated query and key; on CPU the same tensors, rotated in place."""
-        return layer_ops.rotary_embedding(positions, query, key, self.cos, self.sin)
+from pagedserve.architectures import DecoderSpec, decoder_spec
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, sliding_window: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = getattr(config, "attention_bias", False)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=spec.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            sliding_window,
+            spec.attention_scale or self.head_dim**-0.5,
+        )
 
     def forward(
         self,
@@ -85,6 +47,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head on its own, into contiguous copies
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
@@ -93,10 +58,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
+        bias = spec.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
@@ -105,10 +70,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, sliding_window: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, spec, sliding_window)
+        self.mlp = LlamaMLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,22 +91,21 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Parameter names follow transformers' Llama, so its state dict loads after fusing
     q/k/v and gate/up (``load_hf_state_dict``)."""
 
     def __init__(self, config: PretrainedConfig, max_positions: int | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        super().__init__(config)
+        self.spec = decoder_spec(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.spec, window) for window in self.spec.sliding_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        hf = LlamaRotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(
+            hf.inv_freq, hf.attention_scaling, max_positions or config.max_position_embeddings
+        )
         self._fused_layers: list[list[torch.Tensor | None]] | None = None
 
     def forward(
@@ -188,78 +152,26 @@ class LlamaForCausalLM(nn.Module):
             self.config.intermediate_size,
             self.norm.eps,
             attn.attn.scale,
+            list(self.spec.sliding_windows),
         )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return layer_ops.linear(hidden, weight, None, self.config.vocab_size).float()
-
-    def pack_linears(
-        self, weight_dtype: torch.dtype = torch.float32, fuse_layers: bool = True
-    ) -> None:
-        """Repack every projection and the logits' weight for layer_ops' CPU kernel, once the
-        checkpoint is in, rounded to ``weight_dtype`` (fp32, bf16 or fp16; the activations stay
-        fp32). A tied embedding is packed too (one copy of it, not two); lookups then gather
-        its columns from the panels. An untied one is only rounded to ``weight_dtype``.
-
-        ``fuse_layers`` runs the decoder layers in one C++ call from then on: the same kernels
-        in the same order, without Python between them. No
-        module hook runs inside that call, so tensor parallelism's all-reduces need False.
-        """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(weight_dtype)
-        weight = self.embed_tokens.weight.data
-        if self.tie_word_embeddings:
-            weight = layer_ops.pack_linear_weight(weight, weight_dtype)
-        self.embed_tokens.weight = nn.Parameter(weight.to(weight_dtype), False)
-        if fuse_layers:
-            self._fused_layers = [
-                [
-                    layer.input_layernorm.weight,
-                    layer.self_attn.qkv_proj.weight,
-                    layer.self_attn.qkv_proj.bias,
-                    layer.self_attn.o_proj.weight,
-                    layer.post_attention_layernorm.weight,
-                    layer.mlp.gate_up_proj.weight,
-                    layer.mlp.gate_up_proj.bias,
-                    layer.mlp.down_proj.weight,
-                    layer.mlp.down_proj.bias,
-                ]
-                for layer in self.layers
+    def _fuse_layers(self) -> None:
+        """The same kernels in the same order, without Python between them. No module hook
+        runs inside that call, so tensor parallelism's all-reduces need ``fuse_layers`` False."""
+        self._fused_layers = [
+            [
+                layer.input_layernorm.weight,
+                layer.self_attn.qkv_proj.weight,
+                layer.self_attn.qkv_proj.bias,
+                layer.self_attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj.weight,
+                layer.mlp.gate_up_proj.bias,
+                layer.mlp.down_proj.weight,
+                layer.mlp.down_proj.bias,
+                layer.self_attn.o_proj.bias,
+                None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
+                None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
             ]
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [.., hidden]
-        """The tokens' embeddings in the activations' dtype (the norms'): packed or 16-bit
-        tables on CPU are widened to fp32."""
-        weight = self.embed_tokens.weight
-        if layer_ops.is_packed(weight):  # token t is column t % 32 of panel t // 32
-            panel = layer_ops.LINEAR_PANEL
-            rows = weight[input_ids // panel, :, input_ids % panel]
-        else:
-            rows = self.embed_tokens(input_ids)
-        return rows.to(self.norm.weight.dtype)
-
-    def load_hf_state_dict(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy transformers-named weights in, fusing q/k/v and gate/up as they arrive."""
-        params = dict(self.named_parameters())
-        q_size, kv_size, _ = self.layers[0].self_attn.split
-        inter = self.config.intermediate_size
-        fused = {  # name in the checkpoint -> (our fused parameter, row offset)
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", q_size),
-            "v_proj": ("qkv_proj", q_size + kv_size),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", inter),
-        }
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
-                continue
-            parts = name.split(".")
-            if len(parts) > 3 and parts[-2] in fused:
-                target, offset = fused[parts[-2]]
-                param = params[".".join([*parts[:-2], target, parts[-1]])]
-                param.data[offset : offset + tensor.shape[0]].copy_(tensor)
-            else:
-                params[name].data.copy_(tensor)
+            for layer in self.layers
+        ]

@@ -96,7 +96,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 at::Tensor paged_attention_decode(const at::Tensor& query_in, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
-                                  int64_t partition_size) {
+                                  int64_t partition_size, int64_t sliding_window) {
   check_decode_inputs(query_in, key_cache, value_cache, block_tables, context_lens,
                       partition_size);
   const at::Device device = key_cache.device();
@@ -145,6 +145,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query_in, const at::Tensor& 
   p.max_num_blocks_per_seq = max_blocks;
   p.partition_size = partition;
   p.max_num_partitions = max_parts;
+  p.sliding_window = static_cast<int>(sliding_window);
   p.scale = static_cast<float>(scale);
   check_launch(paged_attention_decode_launch(dtype_of(query), p,
                                              c10::cuda::getCurrentCUDAStream().stream()),
@@ -198,7 +199,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &pagedserve::paged_attention_decode, NoGil(),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("partition_size") = 0,
-        "partition_size: 0 picks one; >= the table's capacity forces a single pass");
+        py::arg("sliding_window") = 0,
+        "partition_size: 0 picks one; >= the table's capacity forces a single pass; "
+        "sliding_window > 0: the token sees that many positions, itself included");
   m.def("copy_blocks", &pagedserve::copy_blocks, NoGil(), py::arg("key_caches"),
         py::arg("value_caches"), py::arg("block_mapping"));
 }

@@ -37,6 +37,7 @@ struct PagedAttentionParams {
   int max_num_blocks_per_seq;
   int partition_size;           // tokens per partition, a multiple of block_size
   int max_num_partitions;       // 1 selects the single-pass (v1) path
+  int sliding_window;           // positions the token sees, itself included; 0: all of them
   float scale;
 };
 

@@ -8,7 +8,8 @@
 //   partition p of a sequence:   [ blk b0 | blk b1 | blk b2 | blk b3 | blk b4 | ...
 //   warp owning the block:          w0       w1       w2       w3       w0     ...
 //
-// Pass 1: logits = scale * q.K for the partition (8 lanes per token, 4 tokens per warp step).
+// Pass 1: logits = scale * q.K for the partition (8 lanes per token, 4 tokens per warp step);
+// -inf before a sliding window (a partition wholly before it ends with sum 0, weight 0).
 // Softmax: one warp per query head, over shared memory.
 // Pass 2: out = softmax . V (a lane owns head_dim / 32 output dims of up to 8 query heads).
 // With one partition (v1) the block writes the output; with several (v2, long contexts) it
@@ -82,10 +83,12 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 __host__ __device__ __forceinline__ int div_up(int a, int b) { return (a + b - 1) / b; }
 
-// Pass 1: logits[h][t - start] = q_h . k_t for the partition's tokens [start, end).
+// Pass 1: logits[h][t - start] = q_h . k_t for the partition's tokens [start, end); -inf for
+// tokens before window_start.
 template <typename T, int HEAD_DIM>
 __device__ void compute_logits(const PagedAttentionParams& p, const float* q_s, float* logits,
-                               int kv_head, const int32_t* table, int start, int end) {
+                               int kv_head, const int32_t* table, int start, int end,
+                               int window_start) {
   constexpr int kVec = 16 / sizeof(T);                          // elements per 16-byte load
   constexpr int kChunks = HEAD_DIM / (kVec * kLanesPerToken);   // 16-byte loads per lane
   static_assert(kChunks >= 1 && HEAD_DIM % (kVec * kLanesPerToken) == 0, "head_dim");
@@ -129,7 +132,9 @@ __device__ void compute_logits(const PagedAttentionParams& p, const float* q_s, 
         for (int mask = kLanesPerToken / 2; mask > 0; mask /= 2) {
           dot += __shfl_xor_sync(0xffffffffu, dot, mask);
         }
-        if (valid && sub_lane == 0) logits[h * p.partition_size + token - start] = dot;
+        if (valid && sub_lane == 0) {
+          logits[h * p.partition_size + token - start] = token >= window_start ? dot : -INFINITY;
+        }
       }
     }
   }
@@ -144,9 +149,10 @@ __device__ void softmax_rows(float* logits, float* head_max, float* head_sum, in
     float m = -INFINITY;
     for (int t = lane; t < num_tokens; t += kWarpSize) m = fmaxf(m, row[t]);
     m = warp_max(m);
+    const float shift = m == -INFINITY ? 0.f : m;   // every token masked: all numerators 0
     float s = 0.f;
     for (int t = lane; t < num_tokens; t += kWarpSize) {
-      const float e = expf(row[t] - m);
+      const float e = expf(row[t] - shift);
       row[t] = e;
       s += e;
     }
@@ -218,7 +224,8 @@ __global__ void __launch_bounds__(kAttentionThreads)
     q_s[i] = Convert<T>::to_float(query[i]) * p.scale;
   }
   __syncthreads();
-  compute_logits<T, HEAD_DIM>(p, q_s, logits, kv_head, table, start, end);
+  const int window_start = p.sliding_window > 0 ? max(0, context_len - p.sliding_window) : 0;
+  compute_logits<T, HEAD_DIM>(p, q_s, logits, kv_head, table, start, end, window_start);
   __syncthreads();
   softmax_rows(logits, head_max, head_sum, group, p.partition_size, end - start);
   __syncthreads();
@@ -238,7 +245,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
         static_cast<T*>(p.out)[row * HEAD_DIM + d] = Convert<T>::from_float(sum / head_sum[h]);
       } else {
         const int64_t slot = row * p.max_num_partitions + part;
-        p.tmp_out[slot * HEAD_DIM + d] = sum / head_sum[h];
+        p.tmp_out[slot * HEAD_DIM + d] = head_sum[h] > 0.f ? sum / head_sum[h] : 0.f;
         if (d == 0) {
           p.max_logits[slot] = head_max[h];
           p.exp_sums[slot] = head_sum[h];

@@ -77,9 +77,17 @@ def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
     )
 
 
-def step_to_pb(step: ExecuteStep) -> pb.ExecuteRequest:
+ParamsCache = dict[int, tuple[SamplingParams, pb.SamplingParameters]]  # by id(params)
+
+
+def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.ExecuteRequest:
     """Sequences are added in place (a message passed in is copied) and the sequences of
-    one group share their SamplingParams, converted once."""
+    one group share their SamplingParams, converted once.
+
+    ``known`` carries conversions from one step to the next (a request keeps its
+    SamplingParams object for life) and is left holding this step's: each entry keeps its
+    object alive, so no id in it is reused for another while it is there.
+    """
     request = pb.ExecuteRequest(
         step_id=step.step_id,
         epoch=step.epoch,
@@ -87,24 +95,30 @@ def step_to_pb(step: ExecuteStep) -> pb.ExecuteRequest:
         blocks_to_swap_in=pairs_to_pb(step.blocks_to_swap_in),
         blocks_to_copy=pairs_to_pb(step.blocks_to_copy),
     )
-    params: dict[int, pb.SamplingParameters] = {}
+    last = known if known is not None else {}
+    params: ParamsCache = {}
     add = request.seqs.add
     for s in step.seqs:
         key = id(s.sampling_params)
-        if key not in params:
-            params[key] = params_to_pb(s.sampling_params)
+        entry = params.get(key) or last.get(key)
+        if entry is None:
+            entry = (s.sampling_params, params_to_pb(s.sampling_params))
+        params[key] = entry
         add(
             seq_id=s.seq_id,
             new_token_ids=s.new_token_ids,
             num_computed_tokens=s.num_computed_tokens,
             block_table=s.block_table,
-            sampling_params=params[key],
+            sampling_params=entry[1],
             num_samples=s.num_samples,
             sample_index=s.sample_index,
             prompt_token_ids=s.prompt_token_ids,
             output_token_ids=s.output_token_ids,
             num_steps=s.num_steps,
         )
+    if known is not None:
+        known.clear()
+        known.update(params)
     return request
 
 
@@ -174,20 +188,19 @@ def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
 
 
 def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
-    outputs = [
-        SeqOutput(
-            seq_id=o.seq_id,
-            token_ids=list(o.token_ids),
-            logprobs=list(o.logprobs),
-            top_logprobs=[_entries_from_pb(top.entries) for top in o.top_logprobs],
-            prompt_logprobs=[
+    """A decode step's output is a token and its logprob: the rest is read only when sent
+    (each read of a pb field costs a call, and this runs for every sequence of a step)."""
+    outputs = []
+    for o in m.outputs:
+        out = SeqOutput(o.seq_id, list(o.token_ids), list(o.logprobs), error=o.error)
+        if o.top_logprobs:
+            out.top_logprobs = [_entries_from_pb(top.entries) for top in o.top_logprobs]
+        if o.prompt_logprobs:
+            out.prompt_logprobs = [
                 PromptLogprob(p.logprob, p.rank, _entries_from_pb(p.top_logprobs))
                 for p in o.prompt_logprobs
-            ],
-            error=o.error,
-        )
-        for o in m.outputs
-    ]
+            ]
+        outputs.append(out)
     return StepResult(step_id=m.step_id, outputs=outputs)
 
 

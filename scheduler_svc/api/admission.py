@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import structlog
+
+from pagedserve.model_files import load_generation_defaults
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ApiConfig
 from scheduler_svc.api.errors import APIError
-from scheduler_svc.api.protocol import ParsedRequest, Prompt
+from scheduler_svc.api.protocol import ParsedRequest, Prompt, parse_completion
 from scheduler_svc.core.scheduler import RequestRejectedError
 from scheduler_svc.engine.async_engine import AsyncEngine
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -22,19 +27,26 @@ class ModelCard:
     name: str
     vocab_size: int
     max_model_len: int
+    # Request fields' defaults where the checkpoint sets its own (generation_config.json).
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
 
-def authorized(sent: bytes, key: str) -> bool:
-    """Whether an Authorization value carries ``key``; constant time, so the time taken
-    tells nothing of how much of a guess was right."""
-    return hmac.compare_digest(sent, f"Bearer {key}".encode())
-
-
-def owner_of(key: str | None) -> str:
-    """Who a request recorded with this API key belongs to: a short hash of the key ("" on
-    a server without one). With one shared key every holder of it is the same owner and
-    may see (and abort) every request; separate owners come with one key per client."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+def sampling_defaults(choice: str, model_files: Path) -> dict[str, float | int]:
+    """The request defaults ``--generation-config`` names (see SchedulerOptions), checked
+    now: a default no request could carry would otherwise make every request a 400."""
+    if choice == "vllm":
+        return {}
+    source = model_files if choice == "auto" else Path(choice)
+    if choice != "auto" and not (source / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {choice}: no generation_config.json there")
+    defaults = load_generation_defaults(source)
+    try:
+        parse_completion({"model": "", "prompt": [0]}, ApiConfig(), False, defaults=defaults)
+    except APIError as e:
+        raise ValueError(f"{source / 'generation_config.json'}: {e.message}") from None
+    if defaults:
+        log.info("sampling defaults from generation_config.json", **defaults)
+    return defaults
 
 
 def check_executor(engine: AsyncEngine, config: ApiConfig) -> None:
@@ -75,6 +87,13 @@ def chat_prompt_ids(
     """A chat's prompt: the messages through the model's chat template (given
     ``template_args``, e.g. its tools), then encoded (the template writes its own special
     tokens, so none are added by default)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            "this model has no chat template: use /v1/completions, or start the server with "
+            "--chat-template FILE",
+            param="messages",
+        )
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_args
     )

@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from pagedserve.rpc import GRPC_OPTIONS
+from pagedserve.rpc.tls import add_port
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1 import frontdoor_pb2_grpc
 from pagedserve.sampling_params import SamplingParams
@@ -19,11 +20,11 @@ from scheduler_svc.api.admission import (
     ModelCard,
     check_executor,
     check_fits,
-    owner_of,
     tokenize_prompts,
 )
 from scheduler_svc.api.errors import APIError, client_error
-from scheduler_svc.api.grpc_gate import Gate
+from scheduler_svc.api.grpc_gate import Gate, call_authorization
+from scheduler_svc.api.keys import ApiKeys
 from scheduler_svc.api.protocol import parse_completion
 from scheduler_svc.api.wire import finite_logprob
 from scheduler_svc.engine.async_engine import AsyncEngine
@@ -158,16 +159,22 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
         tokenizer: Any,
         card: ModelCard,
         config: ApiConfig | None = None,
+        keys: ApiKeys | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.card = engine, tokenizer, card
         self.config = config or ApiConfig()
-        self.owner = owner_of(self.config.api_key)
+        self.keys = keys or ApiKeys(())
+
+    def owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Who the call's key belongs to (Gate has refused calls without an accepted one)."""
+        return self.keys.owner(call_authorization(context.invocation_metadata())) or ""
 
     def validate(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         """Request id, prompt token ids and sampling params of a request that can run; raise
         APIError (503 while the executor is away past the budget, as HTTP does, else 400)."""
         check_executor(self.engine, self.config)
-        parsed = parse_completion(request_to_body(request, self.card.name), self.config, False)
+        body = request_to_body(request, self.card.name)
+        parsed = parse_completion(body, self.config, False, defaults=self.card.sampling_defaults)
         (prompt_ids,) = tokenize_prompts(self.tokenizer, self.card.vocab_size, parsed)
         check_fits(self.engine, len(prompt_ids), parsed.params)
         return parsed.request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, parsed.params
@@ -183,14 +190,15 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
         (logged). A client that cancels (or goes away) closes this generator, which aborts
         the request.
         """
-        request_id = None
+        request_id, owner = None, self.owner(context)
         try:
-            request_id, prompt_ids, params = self.validate(request)
-            reply = _Reply(request_id, len(prompt_ids), self.tokenizer)
-            deltas = self.engine.generate(request_id, prompt_ids, params, owner=self.owner)
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield reply.response(delta)
+            with self.keys.hold(owner):
+                request_id, prompt_ids, params = self.validate(request)
+                reply = _Reply(request_id, len(prompt_ids), self.tokenizer)
+                deltas = self.engine.generate(request_id, prompt_ids, params, owner=owner)
+                async with contextlib.aclosing(deltas):
+                    async for delta in deltas:
+                        yield reply.response(delta)
         except Exception as e:
             error = client_error(e, request_id)
             await context.abort(_status_code(error.status), _message(error))
@@ -198,17 +206,23 @@ class FrontDoorServicer(frontdoor_pb2_grpc.FrontDoorServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        """Abort a request this caller may see (admission.owner_of says who that is);
+        """Abort a request this caller may see (keys.owner_of says who that is);
         ``aborted`` says whether this door streamed it."""
-        return pb.AbortResponse(aborted=self.engine.abort(request.request_id, self.owner))
+        return pb.AbortResponse(aborted=self.engine.abort(request.request_id, self.owner(context)))
 
 
-async def start_frontdoor(servicer: FrontDoorServicer, host: str, port: int) -> grpc.aio.Server:
-    """Serve ``servicer`` on host:port (GRPC_OPTIONS message limits); returns the started server."""
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[Gate(servicer.config.api_key)])
+async def start_frontdoor(
+    servicer: FrontDoorServicer,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> grpc.aio.Server:
+    """Serve ``servicer`` on host:port (GRPC_OPTIONS message limits; TLS with
+    ``credentials``); returns the started server."""
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[Gate(servicer.keys)])
     frontdoor_pb2_grpc.add_FrontDoorServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = add_port(server, address, credentials)
     await server.start()
     log.info("gRPC front door serving", address=address, port=bound)
     return server

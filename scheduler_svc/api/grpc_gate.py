@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from scheduler_svc.api.admission import authorized
+from scheduler_svc.api.keys import ApiKeys
 
 Refusal = tuple[grpc.StatusCode, str]
 
@@ -23,13 +23,14 @@ class _Unparsed:
 
 
 class Gate(grpc.aio.ServerInterceptor):
-    """Ends a call with UNAUTHENTICATED when ``api_key`` is set and the call's metadata
-    lacks ``authorization: Bearer KEY``, and with INVALID_ARGUMENT when its message does not
-    parse (grpc itself answers that with UNKNOWN, a server fault). Guards every method that
-    takes one request message, as all of FrontDoor's do, present and future."""
+    """Ends a call with UNAUTHENTICATED when keys are set and the call's metadata lacks
+    ``authorization: Bearer KEY`` with one of them, and with INVALID_ARGUMENT when its
+    message does not parse (grpc itself answers that with UNKNOWN, a server fault). Guards
+    every method that takes one request message, as all of FrontDoor's do, present and
+    future."""
 
-    def __init__(self, api_key: str | None) -> None:
-        self.api_key = api_key
+    def __init__(self, keys: ApiKeys) -> None:
+        self.keys = keys
 
     async def intercept_service(
         self,
@@ -39,12 +40,16 @@ class Gate(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_streaming:
             return handler
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
         refusal = None
-        if self.api_key and not authorized(str(sent).encode(), self.api_key):
+        if self.keys.owner(call_authorization(details.invocation_metadata)) is None:
             message = "invalid or missing API key (metadata authorization: Bearer ...)"
             refusal = (grpc.StatusCode.UNAUTHENTICATED, message)
         return _guarded(handler, refusal)
+
+
+def call_authorization(metadata: Any) -> str:
+    """The ``authorization`` value of a call's metadata ("" without one)."""
+    return str(dict(metadata or ()).get("authorization", ""))
 
 
 def _guarded(handler: Any, refusal: Refusal | None) -> grpc.RpcMethodHandler:

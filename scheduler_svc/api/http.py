@@ -18,16 +18,15 @@ from pagedserve.settings import ApiConfig
 from pagedserve.step import PromptLogprob
 from scheduler_svc.api.admission import (
     ModelCard,
-    authorized,
     check_executor,
     check_fits,
     check_model,
-    owner_of,
     tokenize_prompts,
 )
 from scheduler_svc.api.batch import merge, prompt_request_ids
 from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
 from scheduler_svc.api.errors import APIError, client_error
+from scheduler_svc.api.keys import ApiKeys
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
 from scheduler_svc.api.render import VERSION, Choice, Renderer
 from scheduler_svc.api.schema import describe
@@ -43,9 +42,11 @@ T = TypeVar("T")
 class Api:
     """Routes requests to the engine; every failure leaves as an OpenAI-style error."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, card: ModelCard, config: ApiConfig):
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: Any, card: ModelCard, config: ApiConfig, keys: ApiKeys
+    ) -> None:
         self.engine, self.tokenizer, self.card, self.config = engine, tokenizer, card, config
-        self.owner = owner_of(config.api_key)
+        self.keys = keys
 
     async def handle(self, request: Request, chat: bool) -> Response:
         """Answer one completion or chat request; any exception leaves as an APIError."""
@@ -59,7 +60,13 @@ class Api:
         body = decode_body(await read_body(request, self.config.max_body_bytes))
         if wants_grammar(body):
             await asyncio.to_thread(load_engine)  # a few seconds once: not on the event loop
-        parsed = parse_completion(body, self.config, chat, request.headers.get("x-request-timeout"))
+        parsed = parse_completion(
+            body,
+            self.config,
+            chat,
+            request.headers.get("x-request-timeout"),
+            self.card.sampling_defaults,
+        )
         if parsed.params.grammar is not None and self.tokenizer is None:
             raise APIError(400, "structured outputs need the model's tokenizer", param="model")
         check_model(self.card.name, parsed.model)
@@ -70,7 +77,8 @@ class Api:
         request.state.request_id = request_id
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
         resumable = _resumable(request, resume, len(prompts))
-        deltas = self._generate(request_id, prompts, parsed.params, resume)
+        owner = request.scope.get("state", {}).get("owner", "")  # set by ApiKeyCheck
+        deltas = self._generate(request_id, prompts, parsed.params, resume, owner)
         render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompts, chat)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
@@ -87,12 +95,13 @@ class Api:
         prompts: list[list[int]],
         params: SamplingParams,
         resume: tuple[int, int] | None,
+        owner: str,
     ) -> AsyncIterator[RequestDelta]:
         """The engine's deltas of every prompt, as one stream (see batch.merge)."""
         after = resume[0] - 1 if resume else None  # the named event may have more outputs
         ids = prompt_request_ids(request_id, len(prompts))
         streams = [
-            self.engine.generate(i, p, params, after, self.owner)
+            self.engine.generate(i, p, params, after, owner)
             for i, p in zip(ids, prompts, strict=True)
         ]
         return merge(streams, params.n)
@@ -202,27 +211,38 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
 
 # No API key: no request data behind them (/docs reads /openapi.json from the browser).
 OPEN_PATHS = ("/health", "/dashboard", "/docs", "/openapi.json")
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class ApiKeyCheck:
-    """Answers 401 to a request without the configured API key. Plain ASGI: starlette's
-    BaseHTTPMiddleware wraps every receive in tasks, and each non-streaming request polls
-    receive to notice a client that left."""
+    """Answers 401 to a request without an accepted API key, and records the key's owner
+    in the request's state. Plain ASGI: starlette's BaseHTTPMiddleware wraps every receive
+    in tasks, and each non-streaming request polls receive to notice a client that left."""
 
     def __init__(self, app: Any, api: Api) -> None:
         self.app, self.api = app, api
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        key = self.api.config.api_key
-        guarded = key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS
-        if guarded and not authorized(dict(scope["headers"]).get(b"authorization", b""), key):
-            error = APIError(
-                401,
-                "invalid or missing API key (Authorization: Bearer ...)",
-                code="invalid_api_key",
-            )
-            await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            owner = self.api.keys.owner(dict(scope["headers"]).get(b"authorization", b""))
+            if owner is None:
+                error = APIError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    code="invalid_api_key",
+                )
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["owner"] = owner
+            if scope["path"] in COMPLETION_PATHS:
+                try:
+                    held = self.api.keys.hold(owner)
+                except APIError as e:
+                    await _error_response(e)(scope, receive, send)
+                    return
+                with held:  # until the whole answer, a stream's last event too, is sent
+                    await self.app(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -293,7 +313,7 @@ def build_app(api: Api, metrics: Any | None = None, dashboard: Dashboard | None 
         text = metrics() if metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    add_token_routes(app, api.tokenizer, api.card, api.config.max_body_bytes)
+    add_token_routes(app, api.tokenizer, api.card, api.config)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
     return app

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from pagedserve.grammar import Grammar
@@ -17,6 +19,17 @@ from scheduler_svc.api.tools import ToolPlan, calls_as_text, parse_tools
 
 Prompt = str | list[int]  # text, or token ids
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; the engine takes any finite temperature
+# What a request leaves out gets, unless the checkpoint's generation_config.json says otherwise.
+BUILTIN_DEFAULTS = MappingProxyType(
+    {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 16,
+    }
+)
 # Request ids name Redis keys, log lines and the X-Request-Id response header: visible ASCII.
 _REQUEST_ID = re.compile(r"[!-~]{1,256}")
 
@@ -63,16 +76,25 @@ def _number(data: dict, name: str, default: float) -> float:
 
 
 def parse_completion(
-    data: dict[str, Any], config: ApiConfig, chat: bool, timeout_header: str | None = None
+    data: dict[str, Any],
+    config: ApiConfig,
+    chat: bool,
+    timeout_header: str | None = None,
+    defaults: Mapping[str, float | int] = MappingProxyType({}),
 ) -> ParsedRequest:
     """Validate every field named by the OpenAI API that we honour; raise APIError(400),
-    also for a field that would change the answer's meaning and is not supported."""
+    also for a field that would change the answer's meaning and is not supported.
+
+    Args:
+        defaults: values, by field name, for the sampling fields a request leaves out
+            (the checkpoint's generation_config.json); not applied to beam search's.
+    """
     _refuse_unsupported(data)
     model = _get(data, "model", (str,))
     _check(model is not None, "'model' is required", "model")
     prompts, messages, tools = None, None, None
     if chat:
-        messages = _parse_messages(data)
+        messages = _parse_messages(data, config.max_messages)
         tools = parse_tools(data)
     else:
         prompts = _parse_prompts(data, config.max_prompts)
@@ -88,7 +110,8 @@ def parse_completion(
         )
         _check(best_of >= n, f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
     beam = _get(data, "use_beam_search", (bool,), False)
-    max_tokens, name = _max_tokens(data)
+    default = _request_defaults(defaults, beam)
+    max_tokens, name = _max_tokens(data, default["max_tokens"])
     echo = _get(data, "echo", (bool,), False)
     _check(not (chat and echo), "'echo' is available for completions, not chat", "echo")
     prompt_logprobs = _logprobs_count(data, "prompt_logprobs", config)
@@ -104,15 +127,15 @@ def parse_completion(
             "request per prompt",
             field,
         )
-    temperature = _number(data, "temperature", 0.0 if beam else 1.0)
+    temperature = _number(data, "temperature", default["temperature"])
     _check(
         0 <= temperature <= MAX_TEMPERATURE,
         f"'temperature' must be in [0, {MAX_TEMPERATURE}], got {temperature}",
         "temperature",
     )
-    top_p = _number(data, "top_p", 1.0)
+    top_p = _number(data, "top_p", default["top_p"])
     _check(0 < top_p <= 1, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = _get(data, "top_k", (int,), -1)
+    top_k = _get(data, "top_k", (int,), default["top_k"])
     _check(top_k >= -1 and top_k != 0, f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
     logprobs = _parse_logprobs(data, config, chat)
     stream = _get(data, "stream", (bool,), False)
@@ -129,9 +152,17 @@ def parse_completion(
     stop = _get(data, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     _check(
-        all(isinstance(s, str) and s for s in stop) and len(stop) <= 16,
-        "'stop' must be a non-empty string or a list of up to 16 of them",
+        all(isinstance(s, str) and s for s in stop) and len(stop) <= config.max_stops,
+        f"'stop' must be a non-empty string or a list of up to {config.max_stops} of them "
+        "(--max-stops)",
         "stop",
+    )
+    stop_token_ids = _get(data, "stop_token_ids", (list,), [])
+    _check(
+        len(stop_token_ids) <= config.max_stops,
+        f"'stop_token_ids' holds {len(stop_token_ids)} ids, more than {config.max_stops} "
+        "(--max-stops)",
+        "stop_token_ids",
     )
     try:
         params = SamplingParams(
@@ -141,13 +172,13 @@ def parse_completion(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            min_p=_number(data, "min_p", 0.0),
-            repetition_penalty=_number(data, "repetition_penalty", 1.0),
+            min_p=_number(data, "min_p", default["min_p"]),
+            repetition_penalty=_number(data, "repetition_penalty", default["repetition_penalty"]),
             presence_penalty=_number(data, "presence_penalty", 0.0),
             frequency_penalty=_number(data, "frequency_penalty", 0.0),
             max_tokens=max_tokens,
             ignore_eos=_get(data, "ignore_eos", (bool,), False),
-            stop_token_ids=tuple(_get(data, "stop_token_ids", (list,), [])),
+            stop_token_ids=tuple(stop_token_ids),
             stop=tuple(stop),
             seed=_get(data, "seed", (int,)),
             logprobs=logprobs,
@@ -175,13 +206,24 @@ def parse_completion(
     )
 
 
-def _max_tokens(data: dict) -> tuple[int, str]:
-    """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else 16; and
-    the name the value came under."""
+def _request_defaults(checkpoint: Mapping[str, float | int], beam: bool) -> dict[str, Any]:
+    """Each sampling field's default: the checkpoint's where it sets one, else ours. Beam
+    search draws nothing, so it keeps ours (temperature 0) but for ``max_tokens``."""
+    if beam:
+        return BUILTIN_DEFAULTS | {
+            "temperature": 0.0,
+            "max_tokens": checkpoint.get("max_tokens", 16),
+        }
+    return BUILTIN_DEFAULTS | dict(checkpoint)
+
+
+def _max_tokens(data: dict, default: int) -> tuple[int, str]:
+    """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``, else
+    ``default``; and the name the value came under."""
     name = (
         "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     )
-    return _get(data, name, (int,), 16), name
+    return _get(data, name, (int,), default), name
 
 
 def _include_usage(data: dict, stream: bool) -> bool:
@@ -210,7 +252,7 @@ class ParsedTokenize:
     return_token_strs: bool
 
 
-def parse_tokenize(data: dict[str, Any]) -> ParsedTokenize:
+def parse_tokenize(data: dict[str, Any], max_messages: int) -> ParsedTokenize:
     """Validate a /tokenize body; vLLM's defaults: special tokens added to a prompt, not to
     a chat (its template has them), and the generation prompt after the messages."""
     chat = data.get("messages") is not None
@@ -219,7 +261,7 @@ def parse_tokenize(data: dict[str, Any]) -> ParsedTokenize:
     return ParsedTokenize(
         _get(data, "model", (str,)),
         prompt,
-        _parse_messages(data) if chat else None,
+        _parse_messages(data, max_messages) if chat else None,
         _get(data, "add_special_tokens", (bool,), not chat),
         _get(data, "add_generation_prompt", (bool,), True),
         _get(data, "return_token_strs", (bool,), False),
@@ -300,11 +342,16 @@ def _token_ids(value: Any) -> bool:
     return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
-def _parse_messages(data: dict) -> list[dict[str, str]]:
+def _parse_messages(data: dict, max_messages: int) -> list[dict[str, str]]:
     messages = data.get("messages")
     _check(
         isinstance(messages, list) and len(messages) > 0,
         "'messages' must be a non-empty list",
+        "messages",
+    )
+    _check(
+        len(messages) <= max_messages,
+        f"'messages' holds {len(messages)} messages, more than {max_messages} (--max-messages)",
         "messages",
     )
     parsed = []

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from pagedserve.settings import ApiConfig
 from scheduler_svc.api.admission import (
     ModelCard,
     chat_prompt_ids,
@@ -18,16 +19,16 @@ from scheduler_svc.api.render import VERSION
 from scheduler_svc.api.wire import decode_body, read_body
 
 
-def add_token_routes(app: FastAPI, tokenizer: Any, card: ModelCard, max_body_bytes: int) -> None:
+def add_token_routes(app: FastAPI, tokenizer: Any, card: ModelCard, config: ApiConfig) -> None:
     """POST /tokenize (a prompt or chat messages to token ids), POST /detokenize (token ids
     to text) and GET /version; behind the API key like every route with data."""
 
     async def body(request: Request) -> dict[str, Any]:
-        return decode_body(await read_body(request, max_body_bytes))
+        return decode_body(await read_body(request, config.max_body_bytes))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        parsed = parse_tokenize(await body(request))
+        parsed = parse_tokenize(await body(request), config.max_messages)
         check_model(card.name, parsed.model)
         if parsed.messages is not None:
             ids = chat_prompt_ids(

@@ -19,16 +19,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 import structlog
 
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 from scheduler_svc.engine.executor_client import StepRefused
-from scheduler_svc.engine.lane_set import Fleet, LaneSet
+from scheduler_svc.engine.lane_set import Fleet, LaneSet, newest_epoch_seen
 from scheduler_svc.engine.lanes import Lane, NewRequest
 from scheduler_svc.engine.step_observer import StepObserver
 from scheduler_svc.state.leader import Lease, LeaseKeeper
-from scheduler_svc.state.state_store import StaleEpochError, StateStore
+from scheduler_svc.state.state_store import StaleEpochError, StateStore, StoreBehindError
 from scheduler_svc.state.store_stream import StoreStream, request_owner, request_record
 from scheduler_svc.state.streams import (
     EngineDeadError,
@@ -162,6 +163,12 @@ class AsyncEngine:
     async def _lead(self, epoch: int) -> None:
         """Open every executor's lane, recover what the store holds (replaying steps in
         flight), take the requests waiting in the store, then start the loops."""
+        seen = await asyncio.to_thread(self._newest_epoch_seen)
+        if self.store is not None and seen >= epoch:
+            # The store forgot its epochs (Redis restarted empty): every step under this
+            # one would be refused as stale, so take one past what the executors saw.
+            epoch = await asyncio.to_thread(self.store.begin_epoch, seen + 1)
+            log.warning("epoch raised past the executors'", seen=seen, epoch=epoch)
         self.epoch = epoch
         self.leading = True
         lane_set = self.lane_set
@@ -179,6 +186,14 @@ class AsyncEngine:
         self._term_tasks.append(asyncio.create_task(self._watch(), name="engine-watch"))
         lane_set.no_lane_since = None if self.lanes else time.monotonic()
         log.info("leading", epoch=epoch, executors=sorted(self.lanes))
+
+    def _newest_epoch_seen(self) -> int:
+        """The newest epoch any known executor has run a step of (0 for those that do not
+        answer now: a step they refuse later raises the epoch then, see _epoch_behind)."""
+        addresses = set(self.fleet.executors)
+        if self.fleet.registry is not None:
+            addresses |= set(self.fleet.registry.executors()[0])
+        return max((newest_epoch_seen(a, self.fleet.tls) for a in addresses), default=0)
 
     async def _end_term(self) -> None:
         """Stop the loops; clients streaming here continue from the store."""
@@ -358,8 +373,17 @@ class AsyncEngine:
                 log.warning("fenced off by a newer leader", executor=lane.name, error=str(e))
                 self._lost.set()
                 return
+            if isinstance(e, StepRefused) and await self._epoch_behind(lane, e):
+                self._lost.set()  # lead again, under an epoch past the executor's
+                return
             self._die(lane, e)
             raise
+        except StoreBehindError as e:  # the store lost its state: the lease went with it
+            if self.keeper is None:
+                self._die(lane, e)
+                raise
+            log.warning("the store lost its state; leading again", executor=lane.name)
+            self._lost.set()
         except Exception as e:
             self._die(lane, e)
             raise
@@ -368,6 +392,23 @@ class AsyncEngine:
         if self.keeper is None or self.store is None:
             return False
         return await asyncio.to_thread(self.store.current_epoch) > self.epoch
+
+    async def _epoch_behind(self, lane: Lane, e: StepRefused) -> bool:
+        """Whether the lane's executor refused a step out of order having seen this epoch
+        or a newer one, which only a store that lost its data (Redis restarted empty)
+        allows: epochs and step ids count from the start again. If so, raise the store's
+        epoch past the executor's, fencing this term too, so that the next term's steps
+        run (a new epoch may restart its step ids)."""
+        if self.keeper is None or self.store is None:
+            return False
+        if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        seen = await asyncio.to_thread(newest_epoch_seen, lane.name, self.fleet.tls)
+        if seen < self.epoch:
+            return False
+        epoch = await asyncio.to_thread(self.store.begin_epoch, seen + 1)
+        log.warning("the store's epoch was behind an executor's", seen=seen, epoch=epoch)
+        return True
 
     def _die(self, lane: Lane, e: Exception) -> None:
         """The loop is dead: fail every stream instead of hanging it, and tell the process

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import structlog
 
@@ -21,6 +21,7 @@ from scheduler_svc.engine.detokenizer import Detokenizer, find_stop
 from scheduler_svc.engine.executor_client import ExecutorError
 from scheduler_svc.state.journal import Journal, restore_groups
 from scheduler_svc.state.persistence import PendingStep, RestoredGroup, step_from_json, step_to_json
+from scheduler_svc.state.state_store import StoredState
 from scheduler_svc.state.streams import RequestDelta, StreamTracker
 
 log = structlog.get_logger(__name__)
@@ -57,7 +58,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
     num_prompt_chunks: int = 0  # prompt chunks short of their prompt's end (chunked prefill)
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
-    execute_seconds: float = 0.0  # inside Execute calls: the steps, and gRPC for a remote one
+    execute_seconds: float = 0.0  # sending each step to its answer (with a journal: its commit)
     num_quarantined: int = 0  # stored requests recovery had to drop
 
 
@@ -79,6 +80,19 @@ class StepExecutor(Protocol):
 
     def end_steps(self, step_id: int) -> None:
         """Ask step ``step_id`` to stop its decode steps in a row after the current one."""
+
+
+@runtime_checkable
+class PipelinedExecutor(StepExecutor, Protocol):
+    """An executor that takes a step while the engine journals it, and fences a new
+    leader's predecessor off (docs/architecture.md, "Journaling while the executor
+    computes"): the gRPC client. Others get the step only once it is journaled."""
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        """Send ``step``; calling the result waits for its answer."""
+
+    def fence(self, epoch: int) -> int | None:
+        """Refuse steps of older epochs from now on; the last applied step id, if any."""
 
 
 class LLMEngine:
@@ -221,16 +235,11 @@ class LLMEngine:
         if out.is_empty:
             return self._apply(out, None, None)
         step = self._build_step(out)
-        if journal is not None:
-            for group in [s.group for s in out.scheduled] + [g for g, _ in out.preempted]:
-                journal.touch(group)
-            journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
-            journal.crash_if_asked("after_persist")
         start = time.perf_counter()
         if any(s.num_steps > 1 for s in step.seqs):
             self._steps_in_a_row = step.step_id
         try:
-            result = self.executor.execute(step)
+            result = self._run(step, out)
         except ExecutorRestarted as e:
             return self._recompute_all(e.instance_id)
         finally:
@@ -239,6 +248,23 @@ class LLMEngine:
         if journal is not None:
             journal.crash_if_asked("after_execute")
         return self._apply(out, step, result)
+
+    def _run(self, step: ExecuteStep, out: SchedulerOutput) -> StepResult:
+        """Journal ``step`` and run it. A pipelined executor computes while the commit is
+        written (a successor's ``recover`` fences it and finds a step run past the
+        journal); any other executor gets the step once it is journaled."""
+        journal = self.journal
+        if journal is None:
+            return self.executor.execute(step)
+        for group in [s.group for s in out.scheduled] + [g for g, _ in out.preempted]:
+            journal.touch(group)
+        pipelined = isinstance(self.executor, PipelinedExecutor)
+        call = self.executor.start(step) if pipelined else None
+        if call is not None:
+            journal.crash_if_asked("after_send", settle=call)
+        journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
+        journal.crash_if_asked("after_persist")
+        return call() if call is not None else self.executor.execute(step)
 
     def end_steps(self) -> None:
         """A request arrived: have a call decoding several steps in a row stop after the
@@ -346,7 +372,11 @@ class LLMEngine:
         state = self.journal.begin(epoch)
         self.epoch = self.journal.epoch
         known = state.meta.get("executor_instance", self.executor_instance)
-        kv_lost = known != self.executor_instance
+        last_step_id = self._fence(state)
+        ran_ahead = last_step_id > int(state.meta.get("step_id", -1))
+        if ran_ahead:
+            log.warning("the executor ran a step past the journal; recomputing every group")
+        kv_lost = ran_ahead or known != self.executor_instance
         restored, broken = restore_groups(self.scheduler, state, kv_lost)
         for request_id, error in broken.items():
             self._quarantine(request_id, f"its stored state does not restore: {error}")
@@ -355,11 +385,25 @@ class LLMEngine:
             max([int(state.meta.get("next_seq_id", 0)), *(i + 1 for i in seq_ids)])
         )
         self._step_ids.value = int(state.meta.get("step_id", -1)) + 1
+        self._step_ids.advance_to(last_step_id + 1)  # no id the executor already ran
         for r in restored:
             events = self.journal.store.read_events(r.group.request_id)
             self.streams.restore(r.group, len(events))
         if state.pending_step is not None and not kv_lost:
             self._replay(step_from_json(state.pending_step), restored)
+
+    def _fence(self, state: StoredState) -> int:
+        """Fence the predecessor off; the last step id the executor applied (-1: none).
+
+        A step past the journal's was sent before its commit landed: its cache operations
+        and writes may have gone into blocks the journal counts as another sequence's, or
+        free, or cached, so no stored table is trusted and every group is recomputed. Only
+        a pipelined executor can run ahead, and only a store with groups has tables.
+        """
+        if not state.groups or not isinstance(self.executor, PipelinedExecutor):
+            return -1
+        last_step_id = self.executor.fence(self.epoch)
+        return -1 if last_step_id is None else last_step_id
 
     def _replay(self, pending: PendingStep, restored: list[RestoredGroup]) -> None:
         """Send the step in flight again, rebuilt from the restored groups: the executor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -10,14 +11,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.rpc import GRPC_OPTIONS
 from pagedserve.rpc.convert import (
+    ParamsCache,
     model_info_from_pb,
     pairs_to_pb,
     result_from_pb,
     stats_from_pb,
     step_to_pb,
 )
+from pagedserve.rpc.tls import executor_channel
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
+from pagedserve.settings import TlsOptions
 from pagedserve.step import BlockPairs, ExecuteStep, StepResult
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -50,6 +54,11 @@ _ERRORS: dict[grpc.StatusCode, type[ExecutorError]] = {
 }
 
 
+def _error(e: grpc.RpcError) -> ExecutorError:
+    code, details = e.code(), e.details() or ""
+    return _ERRORS.get(code, ExecutorError)(code, details)
+
+
 class ExecutorClient:
     """Blocking client of one executor at ``address`` ("host:port"), one deadline per call.
 
@@ -64,21 +73,22 @@ class ExecutorClient:
         execute_timeout: float = 3600.0,
         call_timeout: float = 10.0,
         init_timeout: float = 300.0,
+        tls: TlsOptions | None = None,
     ) -> None:
         self.address = address
         self.execute_timeout = execute_timeout
         self.call_timeout = call_timeout
         self.init_timeout = init_timeout  # allocating a large pool takes a while
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = executor_channel(address, tls, GRPC_OPTIONS)
         self._stub = pb_grpc.ExecutorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._params: ParamsCache = {}  # the last step's sampling parameters, converted
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float):
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ""
-            raise _ERRORS.get(code, ExecutorError)(code, details) from None
+            raise _error(e) from None
 
     def init_cache(self) -> ModelInfo:
         """Allocate the executor's pools (once per executor process) and describe the model."""
@@ -87,12 +97,34 @@ class ExecutorClient:
 
     def execute(self, step: ExecuteStep) -> StepResult:
         """Run one step. Raises ExecutorUnavailable or StepRefused (see their docs)."""
-        response = self._call(self._stub.Execute, step_to_pb(step), self.execute_timeout)
-        if response.step_id != step.step_id:
-            raise ExecutorError(
-                grpc.StatusCode.INTERNAL, f"sent step {step.step_id}, got {response.step_id}"
-            )
-        return result_from_pb(response)
+        return self.start(step)()
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        """Send one step and return at once; calling the result waits for the step's
+        answer and raises as ``execute`` does. The caller may work meanwhile (the engine
+        writes its journal while the executor computes)."""
+        request = step_to_pb(step, self._params)
+        future = self._stub.Execute.future(request, timeout=self.execute_timeout)
+
+        def result() -> StepResult:
+            try:
+                response = future.result()
+            except grpc.RpcError as e:
+                raise _error(e) from None
+            if response.step_id != step.step_id:
+                raise ExecutorError(
+                    grpc.StatusCode.INTERNAL, f"sent step {step.step_id}, got {response.step_id}"
+                )
+            return result_from_pb(response)
+
+        return result
+
+    def fence(self, epoch: int) -> int | None:
+        """Have the executor refuse steps of epochs before ``epoch`` from now on; returns
+        the id of the last step it applied (None: none). Raises StepRefused when it has
+        seen a newer epoch."""
+        response = self._call(self._stub.Fence, pb.FenceRequest(epoch=epoch), self.call_timeout)
+        return response.last_step_id if response.HasField("last_step_id") else None
 
     def end_steps(self, step_id: int) -> grpc.Future:
         """Ask step ``step_id`` to stop its decode steps in a row early; returns at once.

@@ -20,6 +20,7 @@ import structlog
 
 from pagedserve.registry import ExecutorRegistry
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import TlsOptions
 from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorError
 from scheduler_svc.engine.lanes import Lane, Move, NewRequest
@@ -44,6 +45,7 @@ class Fleet:
     open_engine: Callable[[str], LLMEngine]  # blocking: connect, InitCache, build the engine
     executors: tuple[str, ...] = ()
     registry: ExecutorRegistry | None = None
+    tls: TlsOptions | None = None  # how executors are dialled (pagedserve/rpc/tls.py)
 
 
 class LaneSet:
@@ -207,7 +209,7 @@ class LaneSet:
         for name, record in records.items():
             if name in self.lanes or record.draining:
                 continue
-            if name in gone and not await asyncio.to_thread(_answers, name):
+            if name in gone and not await asyncio.to_thread(_answers, name, self.fleet.tls):
                 continue
             try:
                 engine = await asyncio.to_thread(self.fleet.open_engine, name)
@@ -355,9 +357,21 @@ def _request_id(item: NewRequest | Move) -> str:
     return item.request_id if isinstance(item, NewRequest) else item.group.request_id
 
 
-def _answers(address: str) -> bool:
+def newest_epoch_seen(address: str, tls: TlsOptions | None) -> int:
+    """The newest scheduler epoch the executor at ``address`` has seen, 0 if it does not
+    answer now (a short GetStats)."""
+    client = ExecutorClient(address, tls=tls)
+    try:
+        return client.get_stats(timeout=PROBE_TIMEOUT_S).epoch
+    except ExecutorError:
+        return 0
+    finally:
+        client.close()
+
+
+def _answers(address: str, tls: TlsOptions | None) -> bool:
     """Whether an executor answers at ``address`` now (a short GetStats)."""
-    client = ExecutorClient(address)
+    client = ExecutorClient(address, tls=tls)
     try:
         client.get_stats(timeout=PROBE_TIMEOUT_S)
     except ExecutorError:

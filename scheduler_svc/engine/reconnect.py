@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -40,24 +41,53 @@ class ReconnectingExecutor:
         self.abandoned = True
 
     def execute(self, step: ExecuteStep) -> StepResult:
+        return self.start(step)()
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        """Send ``step`` now; calling the result waits for its answer, resending the step
+        after the executor answers ``InitCache`` again for as long as it is away."""
+        call = self._send(step)
+
+        def result() -> StepResult:
+            nonlocal call
+            while True:
+                self.calling = True  # on the wire until it fails
+                try:
+                    answer = call()
+                    self.down_since = None
+                    return answer
+                except ExecutorUnavailable as e:
+                    if self.down_since is None:
+                        self.down_since = time.monotonic()
+                        log.warning(
+                            "executor unavailable, waiting",
+                            executor=self.client.address,
+                            error=str(e),
+                        )
+                    self.calling = False
+                    self._reconnect()
+                    call = self._send(step)
+                finally:
+                    self.calling = False
+
+        return result
+
+    def _send(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        if self.abandoned:
+            raise ExecutorGone(self.client.address)
+        self.calling = True
+        return self.client.start(step)
+
+    def fence(self, epoch: int) -> int | None:
+        """``ExecutorClient.fence``, waiting for an executor that is away (a new process
+        has applied no step: it answers None)."""
         while True:
-            if self.abandoned:
-                raise ExecutorGone(self.client.address)
-            self.calling = True
             try:
-                result = self.client.execute(step)
-                self.down_since = None
-                return result
-            except ExecutorUnavailable as e:
-                if self.down_since is None:
-                    self.down_since = time.monotonic()
-                    log.warning(
-                        "executor unavailable, waiting", executor=self.client.address, error=str(e)
-                    )
-                self.calling = False
-                self._reconnect()
-            finally:
-                self.calling = False
+                return self.client.fence(epoch)
+            except ExecutorUnavailable:
+                if self.abandoned:
+                    raise ExecutorGone(self.client.address) from None
+                time.sleep(self.poll_s)
 
     def end_steps(self, step_id: int) -> None:
         self.client.end_steps(step_id)

@@ -23,6 +23,7 @@ import itertools
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 import structlog
 
@@ -167,11 +168,14 @@ class Journal:
                     raise
                 delay = min(delay * 2, RETRY_MAX_S)
 
-    def crash_if_asked(self, where: str) -> None:
-        """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT)."""
+    def crash_if_asked(self, where: str, settle: Callable[[], object] | None = None) -> None:
+        """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT),
+        after ``settle()`` (waiting for the executor to apply the step sent)."""
         if where == "before_persist":
             self._num_steps += 1
         if self._crash_at == (where, self._num_steps):
+            if settle is not None:
+                settle()
             os.kill(os.getpid(), signal.SIGKILL)
 
 

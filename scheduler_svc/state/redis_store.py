@@ -2,7 +2,7 @@
 
 Key layout, every key under `{namespace}:` so deployments can share one Redis:
 
-    epoch                 string   fencing epoch (INCR by begin_epoch)
+    epoch                 string   fencing epoch (raised by begin_epoch)
     last_commit           hash     {epoch, commit_id} of the last applied commit
     meta                  hash     engine facts (step_id, next_seq_id, ...)
     groups                hash     request_id -> the group's last snapshot (JSON)
@@ -158,6 +158,15 @@ return ids
 """
 
 
+# KEYS: epoch. ARGV: the least epoch to take. One more than the stored one, or more.
+_BEGIN_EPOCH_LUA = """
+local epoch = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
+if epoch < tonumber(ARGV[1]) then epoch = tonumber(ARGV[1]) end
+redis.call('SET', KEYS[1], epoch)
+return epoch
+"""
+
+
 # What a store call raises when the store does not answer: worth waiting out, unlike a
 # refusal.
 OUTAGE_ERRORS = (StoreUnavailableError, redis.ConnectionError, redis.TimeoutError)
@@ -204,6 +213,7 @@ class RedisStateStore:
         self._submit = self._redis.register_script(_SUBMIT_LUA)
         self._delete_events = self._redis.register_script(_DELETE_EVENTS_LUA)
         self._take_aborts = self._redis.register_script(_TAKE_ABORTS_LUA)
+        self._begin_epoch = self._redis.register_script(_BEGIN_EPOCH_LUA)
         self._notifier = EventNotifier(url, self._key("events"))  # shared by lane views
 
     def _key(self, *parts: str) -> str:
@@ -251,9 +261,10 @@ class RedisStateStore:
         self._notifier.close()
         self._redis.close()
 
-    def begin_epoch(self) -> int:
-        """INCR the epoch; commits from older epochs are refused from now on."""
-        return int(self._redis.incr(self._key("epoch")))
+    def begin_epoch(self, at_least: int = 0) -> int:
+        """Raise the epoch by one, or to ``at_least``; commits from older epochs are refused
+        from now on."""
+        return int(self._begin_epoch(keys=[self._key("epoch")], args=[at_least]))
 
     def current_epoch(self) -> int:
         return int(self._redis.get(self._key("epoch")) or 0)

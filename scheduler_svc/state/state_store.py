@@ -90,8 +90,9 @@ class StateStore(Protocol):
         """True when the store answers (health checks)."""
         ...
 
-    def begin_epoch(self) -> int:
-        """Increment and return the epoch, fencing off every older writer."""
+    def begin_epoch(self, at_least: int = 0) -> int:
+        """Increment the epoch (to ``at_least`` if that is more) and return it, fencing off
+        every older writer."""
         ...
 
     def current_epoch(self) -> int: ...
@@ -160,12 +161,18 @@ class StateStore(Protocol):
         ...
 
 
+class StoreBehindError(ValueError):
+    """A commit from an epoch the store never began: a caller that skipped begin_epoch(),
+    or a store that lost its state (Redis restarted empty) under a running leader, whose
+    term is then over."""
+
+
 def check_epoch(commit_epoch: int, store_epoch: int) -> None:
     """Raise unless a commit's epoch is the store's current one."""
     if commit_epoch < store_epoch:
         raise StaleEpochError(f"commit from epoch {commit_epoch}, store is at {store_epoch}")
     if commit_epoch > store_epoch:
-        raise ValueError(
+        raise StoreBehindError(
             f"commit from epoch {commit_epoch} but the store is at {store_epoch}: "
             "call begin_epoch() first (or the store lost its state)"
         )
@@ -224,10 +231,11 @@ class InMemoryStateStore:
     def ping(self) -> bool:
         return True
 
-    def begin_epoch(self) -> int:
-        """Increment the epoch; commits from older epochs are refused from now on."""
+    def begin_epoch(self, at_least: int = 0) -> int:
+        """Increment the epoch (to ``at_least`` if that is more); commits from older epochs
+        are refused from now on."""
         with self._lock:
-            self._root._epoch += 1
+            self._root._epoch = max(self._root._epoch + 1, at_least)
             return self._root._epoch
 
     def current_epoch(self) -> int:

@@ -9,10 +9,13 @@ import io
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from unittest import mock
+from urllib.parse import parse_qs, urlsplit
 
 import jsonschema
 import pytest
@@ -30,6 +33,12 @@ DOCKERFILES = {
     "scheduler": DEPLOY / "docker" / "scheduler.Dockerfile",
 }
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+MAKE_CERTS = ROOT / "scripts" / "make_certs.sh"
+# What scripts/make_certs.sh writes into redis.env, with a sample password: the Secret
+# pagedserve-state-store (Kubernetes) and the env_file (Compose) hold it.
+SAMPLE_STATE_STORE = (
+    "rediss://pagedserve:sample-password@redis:6379/0?ssl_ca_certs=/etc/pagedserve/tls/ca.crt"
+)
 
 
 def require_tool(name: str) -> str:
@@ -72,7 +81,8 @@ def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
 
 def container_env(workload: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
     """The container's environment as Kubernetes builds it: ConfigMaps through envFrom,
-    then env; a downward-API field stands in as a sample value."""
+    then env; a downward-API field and a Secret (made by hand, deploy/README.md) stand in
+    as sample values."""
     samples = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
@@ -86,6 +96,9 @@ def container_env(workload: dict[str, Any], c: dict[str, Any]) -> dict[str, str]
         elif "configMapKeyRef" in var.get("valueFrom", {}):
             ref = var["valueFrom"]["configMapKeyRef"]
             env[var["name"]] = k8s_find("ConfigMap", ref["name"])["data"][ref["key"]]
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            key = var["valueFrom"]["secretKeyRef"]["key"]
+            env[var["name"]] = SAMPLE_STATE_STORE if key == "PAGEDSERVE_STATE_STORE" else "sample"
         else:
             raise AssertionError(f"unhandled env source in {c['name']}: {var}")
     return env
@@ -103,14 +116,17 @@ def expand_k8s_args(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", substitute, a) for a in args]
 
 
-def parse_cli(argv: list[str]) -> argparse.Namespace:
-    """``argv`` through pagedserve's own parser; a rejected flag fails with argparse's words.
+def parse_cli(argv: list[str], env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """``argv`` through pagedserve's own parser, with ``env`` (and nothing of the test's own)
+    as the environment its PAGEDSERVE_* variables come from; a rejected flag fails with
+    argparse's words.
 
     Every flag must be spelled out: argparse would accept an abbreviation, a deployment file
     should not rely on one.
     """
     stderr = io.StringIO()
-    parser = build_parser()
+    with mock.patch.dict(os.environ, env or {}, clear=True):
+        parser = build_parser()
     try:
         with contextlib.redirect_stderr(stderr):
             args = parser.parse_args(argv)
@@ -130,9 +146,21 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 def redis_url_host_port(url: str) -> tuple[str, int]:
-    match = re.fullmatch(r"redis://([^:/]+):(\d+)(/\d+)?", url)
-    assert match, f"not a redis://HOST:PORT/DB URL: {url!r}"
-    return match.group(1), int(match.group(2))
+    parts = urlsplit(url)
+    assert parts.scheme in ("redis", "rediss") and parts.port, f"not a Redis URL: {url!r}"
+    return parts.hostname, parts.port
+
+
+def redis_url_ca(url: str) -> str | None:
+    """The CA file a rediss:// URL checks the server's certificate against."""
+    (ca,) = parse_qs(urlsplit(url).query).get("ssl_ca_certs", [None])
+    return ca
+
+
+def make_secrets(directory: Path) -> Path:
+    """What scripts/make_certs.sh writes, in ``directory``."""
+    subprocess.run(["sh", str(MAKE_CERTS), str(directory)], check=True, capture_output=True)
+    return directory
 
 
 _VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_]\w*))")

@@ -4,7 +4,9 @@ ports and names that agree with each other, health checks and start order."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -12,6 +14,7 @@ from tests.deploy.manifests import (
     COMPOSE_FILE,
     DEPLOY,
     ROOT,
+    SAMPLE_STATE_STORE,
     compose_config,
     compose_errors,
     compose_mounts,
@@ -20,10 +23,23 @@ from tests.deploy.manifests import (
     interpolate,
     load_yaml,
     parse_cli,
+    redis_url_ca,
     redis_url_host_port,
 )
 
 SERVICES = {"redis", "executor", "scheduler", "prometheus", "grafana"}
+REDIS_ENV = "deploy/secrets/redis.env"  # scripts/make_certs.sh writes it
+
+
+def compose_env(service: dict[str, Any]) -> dict[str, str]:
+    """A service's environment: its env_file, which can only be the one
+    scripts/make_certs.sh writes (its sample here), then ``environment``."""
+    env = {}
+    files = service.get("env_file", [])
+    for path in [files] if isinstance(files, str) else files:
+        assert path == REDIS_ENV, f"an env_file make_certs.sh does not write: {path}"
+        env["PAGEDSERVE_STATE_STORE"] = SAMPLE_STATE_STORE
+    return env | {key: str(value) for key, value in service.get("environment", {}).items()}
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +121,28 @@ def test_images_are_pinned(compose: dict[str, Any]) -> None:
 
 def test_executor_command_matches_cli(compose: dict[str, Any]) -> None:
     executor = compose["services"]["executor"]
-    args = parse_cli(executor["command"])
+    args = parse_cli(executor["command"], compose_env(executor))
     assert args.command == "executor"
     assert args.host == "0.0.0.0"
     assert {str(args.port), str(args.metrics_port)} <= set(map(str, executor["expose"]))
     assert redis_url_host_port(args.state_store) == ("redis", 6379)
-    # The health check dials the port the executor listens on.
-    assert f"127.0.0.1:{args.port}" in " ".join(executor["healthcheck"]["test"])
+    # The health check: `pagedserve probe` on the port the executor listens on, over TLS
+    # with the container's own certificate (it reads the same PAGEDSERVE_TLS_* variables).
+    test = executor["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    probe = parse_cli(test[2:], compose_env(executor))
+    assert probe.command == "probe" and probe.address == f"127.0.0.1:{args.port}"
+    assert (probe.tls_cert, probe.tls_key, probe.tls_ca) == (
+        args.tls_cert,
+        args.tls_key,
+        args.tls_ca,
+    )
 
 
 def test_scheduler_command_matches_cli(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    scheduler = parse_cli(services["scheduler"]["command"])
-    executor = parse_cli(services["executor"]["command"])
+    scheduler = parse_cli(services["scheduler"]["command"], compose_env(services["scheduler"]))
+    executor = parse_cli(services["executor"]["command"], compose_env(services["executor"]))
     assert scheduler.command == "scheduler"
     assert scheduler.host == "0.0.0.0"
     assert scheduler.state_store == executor.state_store
@@ -137,8 +162,8 @@ def test_prometheus_scrapes_the_ports_the_services_serve_metrics_on(
     compose: dict[str, Any],
 ) -> None:
     services = compose["services"]
-    scheduler = parse_cli(services["scheduler"]["command"])
-    executor = parse_cli(services["executor"]["command"])
+    scheduler = parse_cli(services["scheduler"]["command"], compose_env(services["scheduler"]))
+    executor = parse_cli(services["executor"]["command"], compose_env(services["executor"]))
     config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
     targets = {
         (sd["names"][0], sd["port"], job.get("metrics_path", "/metrics"))
@@ -163,3 +188,35 @@ def test_grafana_mounts_its_provisioning_and_dashboards(compose: dict[str, Any])
     datasources = load_yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
     (prometheus,) = datasources["datasources"]
     assert host_port(prometheus["url"].removeprefix("http://")) == ("prometheus", 9090)
+
+
+@pytest.mark.parametrize("name", ["executor", "scheduler"])
+def test_services_dial_each_other_and_redis_over_tls_with_mounted_secrets(
+    compose: dict[str, Any], name: str
+) -> None:
+    service = compose["services"][name]
+    args = parse_cli(service["command"], compose_env(service))
+    mounts = compose_mounts(service)
+    own = str(DEPLOY / "secrets" / name)  # its own certificate, from scripts/make_certs.sh
+    for path in (args.tls_cert, args.tls_key, args.tls_ca):
+        assert path and mounts[str(Path(path).parent)] == own, path
+    assert redis_url_ca(args.state_store) == args.tls_ca
+    assert urlsplit(args.state_store).scheme == "rediss"
+    # Nothing secret on the command line, where `ps` shows it; only the env_file has it.
+    assert not any("://" in token or "PASSWORD" in token.upper() for token in service["command"])
+    assert "PAGEDSERVE_STATE_STORE" not in service["environment"]
+    assert service["env_file"] == REDIS_ENV
+
+
+def test_redis_speaks_only_tls_and_wants_the_acl(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    command, mounts = redis["command"], compose_mounts(redis)
+
+    def value(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    assert value("--port") == "0" and value("--tls-port") == "6379"
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file", "--aclfile"):
+        assert mounts[str(Path(value(flag)).parent)] == str(DEPLOY / "secrets" / "redis")
+    health = redis["healthcheck"]["test"]
+    assert health[health.index("--cacert") + 1] == value("--tls-ca-cert-file")

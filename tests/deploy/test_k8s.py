@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -20,6 +21,7 @@ from tests.deploy.manifests import (
     load_yaml,
     parse_cli,
     pod_spec,
+    redis_url_ca,
     redis_url_host_port,
 )
 
@@ -130,14 +132,16 @@ def test_containers_have_requests_limits_probes_and_pinned_images(
 def _executor() -> tuple[dict[str, Any], dict[str, Any], Any]:
     workload = k8s_find("Deployment", "executor")
     c = container(workload, "executor")
-    args = parse_cli(expand_k8s_args(c["args"], container_env(workload, c)))
+    env = container_env(workload, c)
+    args = parse_cli(expand_k8s_args(c["args"], env), env)
     return workload, c, args
 
 
 def _scheduler() -> tuple[dict[str, Any], dict[str, Any], Any]:
     workload = k8s_find("Deployment", "scheduler")
     c = container(workload, "scheduler")
-    args = parse_cli(expand_k8s_args(c["args"], container_env(workload, c)))
+    env = container_env(workload, c)
+    args = parse_cli(expand_k8s_args(c["args"], env), env)
     return workload, c, args
 
 
@@ -154,7 +158,18 @@ def test_executor_args_match_cli_ports_and_probes() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert args.advertise_address == f"10.1.2.3:{args.port}"  # the sample pod IP
-    assert c["readinessProbe"]["grpc"]["port"] == args.port  # standard gRPC health
+    # Standard gRPC health over mutual TLS, with the pod's own certificate.
+    probe = parse_cli(c["readinessProbe"]["exec"]["command"][1:], container_env(workload, c))
+    assert (probe.command, probe.address, probe.serving) == (
+        "probe",
+        f"127.0.0.1:{args.port}",
+        True,
+    )
+    assert (probe.tls_cert, probe.tls_key, probe.tls_ca) == (
+        args.tls_cert,
+        args.tls_key,
+        args.tls_ca,
+    )
     for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["tcpSocket"]["port"] == "grpc"
     startup = c["startupProbe"]
@@ -177,6 +192,70 @@ def test_scheduler_args_match_cli_ports_and_probes() -> None:
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "executors loading"
+
+
+def test_api_keys_come_from_an_optional_secret_never_from_args() -> None:
+    _, c, args = _scheduler()
+    (var,) = [v for v in c["env"] if v["name"] == "PAGEDSERVE_API_KEY"]
+    ref = var["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is True  # no Secret: the API is open, as before
+    assert args.api_keys == ["sample"]  # the Secret's sample, through the environment
+    assert not any("API_KEY" in a or a.startswith("--api-key") for a in c["args"])
+
+
+def _mounted_secret(workload: dict[str, Any], c: dict[str, Any], path: str) -> str:
+    """The Secret mounted read-only at the folder of ``path``."""
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(Path(path).parent)]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+    return volume["secret"]["secretName"]
+
+
+@pytest.mark.parametrize("name", ["executor", "scheduler"])
+def test_services_use_mutual_tls_and_redis_credentials_from_secrets(name: str) -> None:
+    workload, c, args = _executor() if name == "executor" else _scheduler()
+    secrets = {_mounted_secret(workload, c, p) for p in (args.tls_cert, args.tls_key, args.tls_ca)}
+    assert secrets == {f"pagedserve-{name}-tls"}
+    # The Redis URL (with its password) only through the environment, from a Secret.
+    (var,) = [v for v in c["env"] if v["name"] == "PAGEDSERVE_STATE_STORE"]
+    assert var["valueFrom"]["secretKeyRef"] == {
+        "name": "pagedserve-state-store",
+        "key": "PAGEDSERVE_STATE_STORE",
+    }
+    assert not any(a.startswith("--state-store") or "://" in a for a in c["args"])
+    assert urlsplit(args.state_store).scheme == "rediss"
+    assert redis_url_ca(args.state_store) == args.tls_ca
+
+
+def test_schedulers_check_executors_by_the_name_their_certificates_carry() -> None:
+    _, _, args = _scheduler()
+    service = k8s_find("Service", "executor")
+    assert args.tls_server_name == service["metadata"]["name"]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=_workload_id)
+def test_no_probe_is_a_plaintext_grpc_probe(workload: dict[str, Any]) -> None:
+    """The kubelet's grpc probes speak no TLS: every gRPC port here wants a certificate."""
+    for c in pod_spec(workload)["containers"]:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in c[probe], f"{c['name']}: {probe}"
+
+
+def test_redis_speaks_only_tls_and_wants_the_acl() -> None:
+    redis = k8s_find("StatefulSet", "redis")
+    c = container(redis, "redis")
+
+    def value(flag: str) -> str:
+        return c["args"][c["args"].index(flag) + 1]
+
+    assert value("--port") == "0" and value("--tls-port") == "6379"
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file", "--aclfile"):
+        assert _mounted_secret(redis, c, value(flag)) == "pagedserve-redis"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe]["exec"]["command"]
+        assert "--tls" in command and command[command.index("--cacert") + 1] == value(
+            "--tls-ca-cert-file"
+        )
 
 
 def test_state_store_is_the_redis_statefulset() -> None:

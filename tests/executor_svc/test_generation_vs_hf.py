@@ -24,15 +24,21 @@ def make_prompts(vocab: int, lengths: list[int], seed: int = 0, prefix: list[int
     return [list(prefix) + [rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[tuple]:
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple]:
     """Each prompt alone (no padding): generated tokens and per-step top-5 logprobs."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     results = []
     for prompt in prompts:
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=device),
             max_new_tokens=max_new,
             min_new_tokens=max_new,
             do_sample=False,
@@ -211,13 +217,17 @@ SENTENCES = (
 )
 
 
-@pytest.mark.slow
-def test_smollm2_greedy_matches_hf(smollm2_dir):
+def text_prompts(model_dir: Path) -> list[list[int]]:
+    """Real text, one prompt of each of LENGTHS tokens (each starting a token later)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    text_ids = tokenizer.encode(SENTENCES * 40)
-    prompts = [text_ids[i : i + n] for i, n in enumerate(LENGTHS)]
+    text_ids = AutoTokenizer.from_pretrained(model_dir).encode(SENTENCES * 40)
+    return [text_ids[i : i + n] for i, n in enumerate(LENGTHS)]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf(smollm2_dir):
+    prompts = text_prompts(smollm2_dir)
     reference = hf_greedy(smollm2_dir, prompts, NEW_TOKENS)
     ours, _ = run_ours(smollm2_dir, prompts, num_gpu_blocks=512)
     assert_same_greedy(ours, reference)

@@ -149,6 +149,23 @@ def test_replay_is_answered_from_the_stored_result(server: Server) -> None:
     assert client.get_stats().num_steps == before.num_steps + 1
 
 
+def test_a_fence_refuses_older_epochs_and_names_the_last_step(server: Server) -> None:
+    client = server.client
+    old = server.next_epoch()
+    client.execute(_step(20, old))
+    sent = client.start(_step(21, old))  # the old leader's step, journaled or not
+    assert len(sent().outputs) == 1
+    new = server.next_epoch()
+    assert client.fence(new) == 21  # the successor learns the executor ran it
+    before = client.get_stats()
+    assert before.epoch == new
+    with pytest.raises(StepRefused, match="older than the newest"):
+        client.execute(_step(22, old))
+    with pytest.raises(StepRefused, match="older than the newest"):
+        client.fence(old)
+    assert client.get_stats() == before
+
+
 @pytest.mark.parametrize(
     ("step_id", "epoch_delta", "why"),
     [(12, -1, "older than the newest"), (4, 0, "out of order"), (5, 0, "different content")],

@@ -1,7 +1,10 @@
-"""The CUDA sources compile with nvcc for sm_80 and sm_90 (compile only: no GPU needed)."""
+"""The CUDA sources compile with nvcc for sm_80, sm_90 and sm_100, the executor image's
+targets (compile only: no GPU needed). Without a CUDA toolkit, the nvcc the dev extras
+install from PyPI (nvidia-cuda-nvcc) does it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,18 +18,22 @@ from torch.utils import cpp_extension
 
 CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 SOURCES = [*sorted(CSRC.glob("*.cu")), CSRC / "bindings.cpp"]
-ARCHS = ("80", "90")
+ARCHS = ("80", "90", "100")
 
 
 def _find_nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    fallback = Path("/usr/local/cuda/bin/nvcc")
-    return found or (str(fallback) if fallback.exists() else None)
+    """nvcc on PATH, in the usual toolkit place, or from the nvidia-cuda-nvcc wheel."""
+    candidates = [Path("/usr/local/cuda/bin/nvcc")]
+    nvidia = importlib.util.find_spec("nvidia")
+    for root in nvidia.submodule_search_locations if nvidia else ():
+        candidates += sorted(Path(root).glob("cu*/bin/nvcc"))
+    return shutil.which("nvcc") or next((str(p) for p in candidates if p.exists()), None)
 
 
 NVCC = _find_nvcc()
 pytestmark = pytest.mark.skipif(
-    NVCC is None, reason="nvcc is neither on PATH nor in /usr/local/cuda/bin"
+    NVCC is None,
+    reason="no nvcc on PATH, in /usr/local/cuda/bin or from the nvidia-cuda-nvcc wheel",
 )
 
 

@@ -127,6 +127,23 @@ def test_prefill_matches_reference(
     torch.testing.assert_close(out, reference.paged_attention_prefill(*args, scale), **TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 333])
+def test_sliding_window_matches_reference(window: int) -> None:
+    """Windows inside a block, on a block boundary, across blocks, past short contexts; decode
+    batches small enough that a long context is read in parts (from its window's block)."""
+    seqs = [(1, 1), (37, 37), (300, 9), (50, 1), (200, 130), (1000, 64)]
+    args = _prefill_inputs(seqs, 16, 64, 3, torch.float32)
+    out = ops.paged_attention_prefill(*args, 0.125, sliding_window=window)
+    expected = reference.paged_attention_prefill(*args, 0.125, sliding_window=window)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    for context_lens in ([4096], [3, 130, 2001], [1 + (37 * i) % 700 for i in range(48)]):
+        query, *rest = _decode_inputs(context_lens, 16, 64, 3, torch.float32)
+        args = (query * 4, *rest)
+        out = ops.paged_attention_decode(*args, 0.125, sliding_window=window)
+        expected = reference.paged_attention_decode(*args, 0.125, sliding_window=window)
+        torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
 def test_float16_keeps_dtype_and_matches() -> None:
     dtype = torch.float16
     args = _prefill_inputs([(70, 70), (130, 4)], 16, 64, 2, dtype)

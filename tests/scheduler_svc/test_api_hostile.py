@@ -180,6 +180,35 @@ def test_numbers_out_of_range_are_a_400(server, fields, param):
     assert error_of(post(server, "/v1/completions", body), 400)["param"] == param
 
 
+OVER_LIMITS = [  # the defaults of --max-stops and --max-messages
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop", "--max-stops"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stop_token_ids": [1] * 17},
+        "stop_token_ids",
+        "--max-stops",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}] * 1025},
+        "messages",
+        "--max-messages",
+    ),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "Hi"}] * 1025},
+        "messages",
+        "--max-messages",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "param", "flag"), OVER_LIMITS)
+def test_a_request_over_a_limit_is_a_400_naming_it(server, path, fields, param, flag):
+    error = error_of(post(server, path, {"model": server.model, "max_tokens": 4} | fields), 400)
+    assert error["param"] == param and flag in error["message"]
+
+
 def test_nan_and_infinity_as_json_text_are_a_400(server):
     for raw in ('"temperature": NaN', '"top_p": -Infinity', '"seen_at": Infinity'):
         text = f'{{"model": {json.dumps(server.model)}, "prompt": "x", {raw}}}'

@@ -138,9 +138,12 @@ def used_blocks(url: str) -> float:
     ("where", "budget"),
     [
         ("before_persist", None),
+        # Applied by the executor, not journaled: the restart recomputes every group.
+        ("after_send", None),
         ("after_persist", None),
         ("after_execute", None),
         # Three tokens a step: the crash falls while the prompts go in chunks.
+        ("after_send", 3),
         ("after_persist", 3),
         ("after_execute", 3),
     ],

@@ -6,6 +6,7 @@ into a crash. Real processes: a private redis-server, executor, scheduler."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -100,6 +101,36 @@ def test_the_engine_rides_out_a_redis_outage(deployment, redis_server, reference
     assert metric(url, "requests_total") - finished_before == len(PROMPTS)
     assert stream_text(url, PROMPTS[0]) == reference[PROMPTS[0]]  # no restart by hand
     wait_until(lambda: used_blocks(url) == 0, 10, "blocks freed")
+
+
+def test_a_redis_restarted_empty_is_led_past_the_executors_epoch(
+    deployment, redis_server, reference
+):
+    """The journal and the epoch are gone, the executor still remembers the newest epoch
+    it ran: the leader takes one past it (each new term's epoch counts from 1 again, which
+    the executor would refuse as stale), and new requests are served on the same
+    processes. Requests in flight have lost their records: each ends, never hangs."""
+    url, _, procs = deployment
+    assert stream_text(url, PROMPTS[0]) == reference[PROMPTS[0]]  # the executor saw epochs
+
+    def wipe() -> None:
+        redis_server.kill()
+        shutil.rmtree(redis_server.data_dir / "appendonlydir")
+        redis_server.start()
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        in_flight = [pool.submit(complete_status, url, p) for p in PROMPTS]
+        wait_until(lambda: metric(url, "num_requests") >= 1, 60, "a request in the engine")
+        wipe()
+        assert all(isinstance(f.result(timeout=180), int) for f in in_flight)
+    wait_executors(url, 1)
+    wait_until(lambda: complete_status(url, PROMPTS[1]) == 200, 60, "served again")
+    assert stream_text(url, PROMPTS[1]) == reference[PROMPTS[1]]
+    assert all(proc.poll() is None for proc in procs.values())
+
+
+def complete_status(url: str, prompt: str) -> int:
+    return httpx.post(f"{url}/v1/completions", json=body(url, prompt), timeout=120).status_code
 
 
 def test_past_its_budget_a_stream_ends_with_an_error_and_resumes(

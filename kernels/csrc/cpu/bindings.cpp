@@ -57,7 +57,8 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key_cache
 at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& context_lens,
-                           const std::optional<at::Tensor>& query_start_loc, double scale) {
+                           const std::optional<at::Tensor>& query_start_loc, double scale,
+                           int64_t sliding_window) {
   check_attention_inputs(query_in, key_cache, value_cache, block_tables, context_lens,
                          query_start_loc);
   const at::Tensor query = rows_contiguous(query_in) ? query_in : query_in.contiguous();
@@ -78,6 +79,7 @@ at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_
   p.block_size = key_cache.size(1);
   p.num_blocks = key_cache.size(0);
   p.max_num_blocks_per_seq = block_tables.size(1);
+  p.sliding_window = sliding_window;
   p.scale = static_cast<float>(scale);
   cpu::paged_attention(query.scalar_type(), key_cache.scalar_type(), p);
   return out;
@@ -224,9 +226,16 @@ void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, at::Ten
 
 // A decoder layer's parameters, in order: input norm, q/k/v projection and its bias, output
 // projection, post-attention norm, gate/up projection and its bias, down projection and its
-// bias (biases None when absent; projections packed by layer_ops.pack_linear_weight).
+// bias, output projection's bias, per-head q norm and k norm (biases and q/k norms None when
+// absent; projections packed by layer_ops.pack_linear_weight).
 using LayerWeights = std::vector<std::optional<at::Tensor>>;
-constexpr size_t kLayerWeights = 9;
+constexpr size_t kLayerWeights = 12;
+
+// RMSNorm over each head of [num_tokens, num_heads, head_dim] (Qwen3's q and k norms), into a
+// contiguous copy.
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_op(x.reshape({-1, x.size(2)}), weight, eps).view(x.sizes());
+}
 
 // executor_svc.attention.AttentionMetadata: the prefill tokens first, then one per decode.
 struct StepAttention {
@@ -237,18 +246,19 @@ struct StepAttention {
 };
 
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const StepAttention& step, double scale) {
+                  const at::Tensor& value_cache, const StepAttention& step, double scale,
+                  int64_t sliding_window) {
   const int64_t split = step.num_prefill_tokens, num_tokens = query.size(0);
   at::Tensor prefill, decode;
   if (split > 0) {
     prefill = paged_attention_op(query.narrow(0, 0, split), key_cache, value_cache,
                                  step.prefill_block_tables, step.prefill_context_lens,
-                                 step.prefill_query_start_loc, scale);
+                                 step.prefill_query_start_loc, scale, sliding_window);
   }
   if (split < num_tokens) {
     decode = paged_attention_op(query.narrow(0, split, num_tokens - split), key_cache,
                                 value_cache, step.decode_block_tables, step.decode_context_lens,
-                                std::nullopt, scale);
+                                std::nullopt, scale, sliding_window);
   }
   if (!decode.defined()) return prefill;
   return prefill.defined() ? at::cat({prefill, decode}) : decode;
@@ -267,9 +277,10 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
                              const at::Tensor& decode_block_tables, const at::Tensor& cos,
                              const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t intermediate_size, double eps,
-                             double scale) {
+                             double scale, const std::vector<int64_t>& sliding_windows) {
   check_float_rows(hidden, 2, "hidden");
-  TORCH_CHECK(kv_caches.size() == layers.size(), "one (key, value) cache pair per layer");
+  TORCH_CHECK(kv_caches.size() == layers.size() && sliding_windows.size() == layers.size(),
+              "one (key, value) cache pair and one sliding window per layer");
   const StepAttention step{slot_mapping,           num_prefill_tokens,  prefill_query_start_loc,
                            prefill_context_lens,   prefill_block_tables, decode_context_lens,
                            decode_block_tables};
@@ -286,13 +297,14 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
     at::Tensor v =
         qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+    if (w[10]) q = head_rms_norm(q, *w[10], eps);
+    if (w[11]) k = head_rms_norm(k, *w[11], eps);
     rotary_embedding_op(positions, q, k, cos, sin);
     const at::ScalarType cache_dtype = key_cache.scalar_type();  // fp32, or 16 bits to halve it
     reshape_and_cache_op(k.to(cache_dtype), v.to(cache_dtype), key_cache, value_cache,
                          slot_mapping);
-    at::Tensor attn = attend(q, key_cache, value_cache, step, scale);
-    at::Tensor out = linear_op(attn.view({num_tokens, q_size}), *w[3], std::nullopt,
-                               hidden_size, 0);
+    at::Tensor attn = attend(q, key_cache, value_cache, step, scale, sliding_windows[i]);
+    at::Tensor out = linear_op(attn.view({num_tokens, q_size}), *w[3], w[9], hidden_size, 0);
     hidden = out.add_(hidden);  // the residual, into the fresh projection
     at::Tensor gate_up = linear_op(rms_norm_op(hidden, *w[4], eps), *w[5], w[6],
                                    2 * intermediate_size, 0);
@@ -316,7 +328,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &pagedserve::cpu::paged_attention_op, NoGil(), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("query_start_loc"), py::arg("scale"),
-        "query_start_loc None: one query token per sequence (decode)");
+        py::arg("sliding_window") = 0,
+        "query_start_loc None: one query token per sequence (decode); sliding_window > 0: "
+        "each token sees that many positions, itself included");
   m.def("linear", &pagedserve::cpu::linear_op, NoGil(), py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("out_features"), py::arg("vector_floats") = 0,
         "x W^T + b with W packed in panels (layer_ops.pack_linear_weight); vector_floats 8 "
@@ -336,6 +350,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("decode_context_lens"), py::arg("decode_block_tables"), py::arg("cos"),
         py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
+        py::arg("sliding_windows"),
         "a Llama decoder's layers on fp32 CPU activations with packed projections (fp32, bf16 "
         "or fp16) and caches of any of those dtypes");
   m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, NoGil(), py::arg("key"),

@@ -23,6 +23,7 @@ struct AttentionParams {
   int64_t block_size;
   int64_t num_blocks;
   int64_t max_num_blocks_per_seq;
+  int64_t sliding_window;  // positions a token sees, itself included; 0: its whole context
   float scale;
 };
 

@@ -11,7 +11,8 @@
 // r = (tile token t, head g of the group):
 //
 //   context:  [ blk b0 | blk b1 | ... | blk b_last ]      b_last may be partial
-//   per block, for the positions j of the block that row r may see (j <= its own position):
+//   per block, for the positions j of the block that row r may see (j <= its own position and,
+//   with a sliding window W, j > its own position - W; blocks wholly before it are not read):
 //     s[r][j]  = scale * q_r . k_j
 //     m_r'     = max(m_r, max_j s[r][j]);   acc_r, l_r *= e^(m_r - m_r')
 //     acc_r   += sum_j e^(s[r][j] - m_r') v_j;   l_r += sum_j e^(s[r][j] - m_r')
@@ -241,6 +242,18 @@ PAGEDSERVE_INLINE int64_t block_offset(const AttentionParams& p, const WorkItem&
   return (block * p.block_size * p.num_kv_heads + item.first_kv_head) * p.head_dim;
 }
 
+// Positions at the start of the block at `start` that lie before the sliding window of the
+// token at `pos` (its window: [pos - sliding_window + 1, pos]).
+PAGEDSERVE_INLINE int64_t window_skip(const AttentionParams& p, int64_t pos, int64_t start) {
+  return p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1 - start) : 0;
+}
+
+// First block boundary at or before the window of the token at `pos`.
+int64_t window_begin(const AttentionParams& p, int64_t pos) {
+  if (p.sliding_window <= 0) return 0;
+  return std::max<int64_t>(0, pos - p.sliding_window + 1) / p.block_size * p.block_size;
+}
+
 // Block `index` of the item's sequence, the item's kv heads, `slices` calls to take it.
 template <typename T>
 PAGEDSERVE_INLINE NextBlockPrefetch<T> block_prefetch(const AttentionParams& p,
@@ -293,14 +306,18 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
       const Rows values = as_float_rows(static_cast<const T*>(p.value_cache) + offset,
                                         kv_token_stride, len, dim, s.values);
       for (int64_t r = first_row; r < rows; ++r) {
-        const int64_t seen = std::min(len, item.first_pos + r / group + 1 - start);
+        const int64_t pos = item.first_pos + r / group;
+        // The row sees the block's positions [start + skip, start + seen).
+        const int64_t seen = std::min(len, pos + 1 - start);
+        const int64_t skip = window_skip(p, pos, start);
+        if (skip >= seen) continue;
         const int64_t row = h * rows + r;
         float* acc = s.acc + row * dim;
         prefetch.next_slice();
-        dot_keys(s.q + row * dim, keys, seen, dim, s.logits);
-        update_softmax(s.logits, seen, dim, s.max[row], s.sum[row], acc);
+        dot_keys(s.q + row * dim, keys.from(skip), seen - skip, dim, s.logits);
+        update_softmax(s.logits, seen - skip, dim, s.max[row], s.sum[row], acc);
         prefetch.next_slice();
-        accumulate(s.logits, values, seen, dim, acc);
+        accumulate(s.logits, values.from(skip), seen - skip, dim, acc);
       }
     }
   }
@@ -396,14 +413,19 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
       TORCH_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "sequence ", seq, ": block id ",
                   table[b], " is not in the cache");
     }
-    const int64_t parts = std::clamp<int64_t>(context_len / kMinPartPositions, 1, max_parts);
-    const int64_t part_blocks = (num_blocks + parts - 1) / parts;
-    if (q_len == 1 && part_blocks < num_blocks) {
+    // A decode token reads [base, context_len): its whole context, or from its window's block.
+    const int64_t base = q_len == 1 ? window_begin(p, context_len - 1) : 0;
+    const int64_t seen_blocks = num_blocks - base / p.block_size;
+    const int64_t parts =
+        std::clamp<int64_t>((context_len - base) / kMinPartPositions, 1, max_parts);
+    const int64_t part_blocks = (seen_blocks + parts - 1) / parts;
+    if (q_len == 1 && part_blocks < seen_blocks) {
       const int64_t part_len = part_blocks * p.block_size;
-      const Split split{seq, out.num_parts, (context_len + part_len - 1) / part_len};
+      const Split split{seq, out.num_parts, (context_len - base + part_len - 1) / part_len};
       for (int64_t i = 0; i < split.num_parts; ++i) {
-        out.items.push_back({seq, 0, p.num_kv_heads, begin, 1, context_len - 1, i * part_len,
-                             std::min(context_len, (i + 1) * part_len), out.num_parts++});
+        out.items.push_back({seq, 0, p.num_kv_heads, begin, 1, context_len - 1,
+                             base + i * part_len, std::min(context_len, base + (i + 1) * part_len),
+                             out.num_parts++});
       }
       out.splits.push_back(split);
       continue;
@@ -413,7 +435,8 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
         const int64_t tokens = std::min(tile_tokens, q_len - t);
         const int64_t first_pos = context_len - q_len + t;
         out.items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
-                             begin + t, tokens, first_pos, 0, first_pos + tokens, -1});
+                             begin + t, tokens, first_pos, window_begin(p, first_pos),
+                             first_pos + tokens, -1});
       }
     }
   }

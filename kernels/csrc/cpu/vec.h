@@ -127,6 +127,7 @@ struct Rows {
   const float* data;
   int64_t stride;
   PAGEDSERVE_INLINE const float* operator[](int64_t i) const { return data + i * stride; }
+  PAGEDSERVE_INLINE Rows from(int64_t i) const { return {data + i * stride, stride}; }
 };
 
 template <typename T>

@@ -184,6 +184,18 @@ class EndStepsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FenceRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class FenceResponse(_message.Message):
+    __slots__ = ("last_step_id",)
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    last_step_id: int
+    def __init__(self, last_step_id: _Optional[int] = ...) -> None: ...
+
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("blocks_to_copy",)
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class ExecutorStub:
                 request_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/pagedserve.rpc.v1.Executor/Fence',
+                request_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.FenceRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.FenceResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -116,6 +121,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """A new leader's first call, before it trusts the pools: from now on refuse steps of
+        older epochs, and say which step was applied last (one its predecessor sent before
+        journaling it shows as a step id past the journal's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +162,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.GetStatsRequest.FromString,
                     response_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.FenceRequest.FromString,
+                    response_serializer=pagedserve_dot_rpc_dot_v1_dot_executor__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +332,33 @@ class Executor:
             '/pagedserve.rpc.v1.Executor/GetStats',
             pagedserve_dot_rpc_dot_v1_dot_executor__pb2.GetStatsRequest.SerializeToString,
             pagedserve_dot_rpc_dot_v1_dot_executor__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.rpc.v1.Executor/Fence',
+            pagedserve_dot_rpc_dot_v1_dot_executor__pb2.FenceRequest.SerializeToString,
+            pagedserve_dot_rpc_dot_v1_dot_executor__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,
