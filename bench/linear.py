@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The C++ linear kernel (kernels.layer_ops on CPU, fp32, packed weights) against torch's
-sgemm on the same products, by row count.
+sgemm on the same products, by row count; --weight-dtype bfloat16 or float16 packs the kernel's
+weights in 16 bits (sgemm gets them rounded, in fp32).
 
 The rows are a decode step's sequences or a prefill's tokens; the shapes are SmolLM2-135M's
 four projections of a layer, 30 layers of distinct weights on huge pages timed together as a
@@ -52,15 +53,20 @@ def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _measure(
-    name: str, shapes: dict[str, tuple[int, int]], layers: int, rows: int, min_run_time: float
+    name: str,
+    shapes: dict[str, tuple[int, int]],
+    layers: int,
+    rows: int,
+    min_run_time: float,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> Result:
     gen = torch.Generator().manual_seed(rows)
     plain, packed, widths = [], [], []
     for _ in range(layers):
         for k, n in shapes.values():
-            w = torch.randn(n, k, generator=gen) * k**-0.5
+            w = (torch.randn(n, k, generator=gen) * k**-0.5).to(weight_dtype).float()
             plain.append(_on_huge_pages(w))
-            packed.append(_on_huge_pages(layer_ops.pack_linear_weight(w)))
+            packed.append(_on_huge_pages(layer_ops.pack_linear_weight(w, weight_dtype)))
             widths.append(n)
     inputs = [torch.randn(rows, k, generator=gen) for k, _ in shapes.values()] * layers
     products = list(zip(inputs, plain, packed, widths, strict=True))
@@ -97,15 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layers", type=int, default=NUM_LAYERS, help="layers' weights cycled through"
     )
+    parser.add_argument(
+        "--weight-dtype", default="float32", choices=("float32", "bfloat16", "float16")
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    weight_dtype = getattr(torch, args.weight_dtype)
     grid = [
         (name, shapes, layers, rows)
         for name, shapes, layers in (("layer", LAYER, args.layers), ("lm_head", LM_HEAD, 1))
         for rows in args.rows or ROWS
     ]
     results = [
-        _measure(name, shapes, layers, rows, args.min_run_time)
+        _measure(name, shapes, layers, rows, args.min_run_time, weight_dtype)
         for name, shapes, layers, rows in tqdm(grid, desc="linear", unit="shape", file=sys.stderr)
     ]
     capability = torch.backends.cpu.get_cpu_capability()
@@ -120,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
             "sgemm GF/s",
         ],
         [[getattr(r, f) for f in Result.__slots__] for r in results],
-        title=f"linear, fp32, {torch.get_num_threads()} threads, CPU capability {capability}, "
-        f"ms per layer ({args.layers} layers' weights, out of cache)",
+        title=f"linear, {args.weight_dtype} weights, {torch.get_num_threads()} threads, "
+        f"CPU capability {capability}, ms per layer ({args.layers} layers' weights, out of cache)",
     )
     if args.json:
         config = {
             "rows": args.rows or list(ROWS),
             "min_run_time": args.min_run_time,
             "layers": args.layers,
+            "weight_dtype": args.weight_dtype,
         }
         write_json(args.json, config, {"results": [asdict(r) for r in results]})
     return 0

@@ -14,7 +14,7 @@ from executor_svc.grammar import GrammarMasks
 from executor_svc.model_runner import ModelRunner
 from executor_svc.parallel import Shard, check_divisible, pick_device
 from executor_svc.sampler import Sampler
-from executor_svc.weights import load_model
+from executor_svc.weights import activation_dtype, load_model
 from executor_svc.workers import WorkerGroup
 from pagedserve.architectures import decoder_spec
 from pagedserve.model_files import load_config, load_tokenizer, resolve_model
@@ -39,7 +39,10 @@ class Executor:
         world_size = config.tensor_parallel_size
         self.device = pick_device(config.device, shard.rank if shard else 0, world_size)
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
-        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.dtype = _pick_dtype(config.dtype, self.device)  # the weights'
+        self.kv_cache_dtype = _DTYPES.get(config.kv_cache_dtype) or activation_dtype(
+            self.dtype, self.device
+        )
         self.model_path = resolve_model(config.model)
         hf_config = load_config(self.model_path)
         max_positions = decoder_spec(hf_config).max_positions
@@ -79,7 +82,7 @@ class Executor:
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=self.model.layers[0].self_attn.head_dim,
             block_size=self.config.block_size,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
         )
         num_gpu_blocks = self.config.num_gpu_blocks or shape.num_blocks_for(self._kv_budget())
         num_cpu_blocks = shape.num_blocks_for(int(self.config.swap_space * GiB))

@@ -29,7 +29,12 @@ def load_model(
     shard: Shard | None = None,
 ) -> CausalLM:
     """Build the paged model from a checkpoint directory's safetensors files; with a
-    ``shard``, only that tensor-parallel rank's slice of it."""
+    ``shard``, only that tensor-parallel rank's slice of it.
+
+    ``dtype`` is the weights'. On a GPU the activations share it; on CPU they are fp32 whatever
+    ``dtype`` is: the projections, the logits' weight and the embeddings are packed in ``dtype``
+    for the C++ kernels, which widen them to fp32 as they read them; norms and biases stay fp32.
+    """
     config = load_config(path)
     fused_checkpoint = decoder_spec(config).fused_checkpoint
     unsharded = config
@@ -37,7 +42,7 @@ def load_model(
         config = shard.shard_config(config)
     with torch.device(device):
         model_class = Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
-        model = model_class(config, max_positions).to(dtype)
+        model = model_class(config, max_positions).to(activation_dtype(dtype, device))
     files = weight_files(path)
     with tqdm(desc="loading weights", unit="tensor", leave=False) as bar:
         for file in files:
@@ -49,10 +54,14 @@ def load_model(
     if shard is not None:
         shard.add_all_reduces(model)
     if device.type == "cpu":
-        if dtype == torch.float32:
-            model.pack_linears(fuse_layers=shard is None)
+        model.pack_linears(dtype, fuse_layers=shard is None)
         host_memory.pack_parameters(model)
     return model.eval()
+
+
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model with ``dtype`` weights computes in on ``device`` (see load_model)."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def _unfused(weights: Weights, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:

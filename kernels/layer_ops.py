@@ -1,5 +1,6 @@
-"""Dense decoder ops (linear, RMSNorm, SwiGLU, rotary): fused C++ kernels for fp32 on CPU,
-the equivalent torch expressions on any other device or dtype."""
+"""Dense decoder ops (linear, RMSNorm, SwiGLU, rotary): fused C++ kernels for fp32 activations
+on CPU (linear's weights packed in fp32, bf16 or fp16), the equivalent torch expressions on any
+other device or dtype."""
 
 from __future__ import annotations
 
@@ -18,11 +19,21 @@ def _cpu_fp32(*tensors: Tensor) -> bool:
 LINEAR_PANEL = 32
 
 
-def pack_linear_weight(weight: Tensor) -> Tensor:  # [out, in] -> [ceil(out / 32), in, 32]
+# Weight dtypes the CPU linear kernel reads (widened to fp32 in registers).
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pack_linear_weight(
+    weight: Tensor,  # [out_features, in_features]
+    dtype: torch.dtype | None = None,  # one of PACKED_DTYPES; None: weight's own
+) -> Tensor:  # [ceil(out / 32), in, 32]
     """W in panels of LINEAR_PANEL output features, each a contiguous [in_features, 32] run
-    (zero rows pad the last): the layout linear() streams on CPU in fp32."""
+    (zero rows pad the last): the layout linear() streams on CPU, rounded to ``dtype``."""
+    dtype = dtype or weight.dtype
+    if dtype not in PACKED_DTYPES:
+        raise ValueError(f"packed weights are float32, bfloat16 or float16, not {dtype}")
     out_features, in_features = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -out_features % LINEAR_PANEL))
+    padded = F.pad(weight.to(dtype), (0, 0, 0, -out_features % LINEAR_PANEL))
     return padded.view(-1, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
 
 
@@ -36,7 +47,8 @@ def linear(
     bias: Tensor | None = None,  # [out_features]
     out_features: int | None = None,  # needed with a packed weight
 ) -> Tensor:  # [num_tokens, out_features]
-    """x W^T + b: a packed weight (CPU, fp32) through the C++ kernel, a plain one through torch."""
+    """x W^T + b: a packed weight through the C++ kernel (CPU; x, b and the result fp32, W fp32,
+    bf16 or fp16, all arithmetic fp32), a plain one through torch."""
     if not is_packed(weight):
         return F.linear(x, weight, bias)
     if out_features is None:

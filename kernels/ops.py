@@ -77,11 +77,13 @@ def reshape_and_cache(
     value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: Tensor,  # [num_tokens] int64; block_id * block_size + offset, -1 = skip
 ) -> None:
-    """Write each token's K/V into its cache slot, in place; tokens with slot -1 are skipped.
+    """Write each token's K/V into its cache slot, in place, rounded to the cache's dtype;
+    tokens with slot -1 are skipped.
 
     Each token's [num_kv_heads, head_dim] rows must be contiguous; tokens may be strided.
     """
     ext = cuda_extension() if key_cache.is_cuda else cpu_extension()
+    key, value = key.to(key_cache.dtype), value.to(key_cache.dtype)
     ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -98,14 +100,24 @@ def paged_attention_decode(
     with ``sliding_window`` > 0 over its last that many positions (itself included).
 
     The new token's K/V must already be in the cache, which is read in place on either device.
+    The cache may be in another dtype than the query: on CPU a float32 query reads a 16-bit
+    cache as it is, on GPU the query is rounded to the cache's dtype.
     """
     _group_size(query, key_cache)
     if query.shape[0] == 0:
         return torch.empty_like(query)
     if query.is_cuda:
-        return cuda_extension().paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, 0, sliding_window
+        out = cuda_extension().paged_attention_decode(
+            query.to(key_cache.dtype),
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            0,
+            sliding_window,
         )
+        return out.to(query.dtype)
     return cpu_extension().paged_attention(
         query, key_cache, value_cache, block_tables, context_lens, None, scale, sliding_window
     )
@@ -129,9 +141,9 @@ def paged_attention_prefill(
         position   0 1 2 3 | 4 5 6
                    cached    new: query rows 0..2, row i sees positions <= 7 - 3 + i
 
-    On CPU the cache is read in place. On GPU (no CUDA prefill kernel yet) sequences are padded
-    to one batch with two index ops (context, queries) and one attention call; the padded rows
-    are dropped again at the end.
+    On CPU the cache is read in place; a float32 query may read a 16-bit cache. On GPU (no CUDA
+    prefill kernel yet) sequences are padded to one batch with two index ops (context, queries)
+    and one attention call, in the cache's dtype; the padded rows are dropped again at the end.
     """
     group = _group_size(query, key_cache)
     if query.shape[0] == 0:
@@ -149,6 +161,7 @@ def paged_attention_prefill(
         )
     num_heads, head_dim = query.shape[1:]
     num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
+    dtype, query = query.dtype, query.to(key_cache.dtype)
     keys, values = _gather_context(key_cache, value_cache, block_tables, context_lens)
     starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - starts
@@ -168,7 +181,7 @@ def paged_attention_prefill(
     mask = allowed[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_seqs, max_q, num_heads, head_dim)[valid]
+    return out.reshape(num_seqs, max_q, num_heads, head_dim)[valid].to(dtype)
 
 
 def copy_blocks(

@@ -169,7 +169,20 @@ class ExecutorConfig:
         default="SmolLM2-135M-Instruct",
         metadata=_help("default model name, Hugging Face checkpoint directory or .gguf file"),
     )
-    dtype: str = field(default="auto", metadata=_help("auto, float32, float16 or bfloat16"))
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "weights: auto (float32 on CPU, bfloat16 on GPU), float32, float16 or bfloat16; "
+            "on CPU activations, norms and biases stay float32 and only the weights take it"
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "KV and swap pools: auto (the activations' dtype), float32, float16 or bfloat16; "
+            "16 bits fit twice the blocks in the same memory"
+        ),
+    )
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda[:N]"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block (8-128)"))
     num_gpu_blocks: int | None = field(
@@ -196,8 +209,11 @@ class ExecutorConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16; got {self.dtype}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "float16", "bfloat16"):
+                raise ValueError(
+                    f"{name} must be auto, float32, float16 or bfloat16; got {getattr(self, name)}"
+                )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -20,9 +20,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in_features]
         return layer_ops.linear(x, self.weight, self.bias, self.out_features)
 
-    def pack(self) -> None:
-        """Repack the loaded weight into layer_ops' panels (CPU, fp32)."""
-        self.weight = nn.Parameter(layer_ops.pack_linear_weight(self.weight.data), False)
+    def pack(self, dtype: torch.dtype) -> None:
+        """Repack the loaded weight into layer_ops' panels in ``dtype`` (CPU)."""
+        self.weight = nn.Parameter(layer_ops.pack_linear_weight(self.weight.data, dtype), False)
 
 
 class RMSNorm(nn.Module):
@@ -75,20 +75,24 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return layer_ops.linear(hidden, weight, None, self.config.vocab_size).float()
 
-    def pack_linears(self, fuse_layers: bool = True) -> None:
+    def pack_linears(
+        self, weight_dtype: torch.dtype = torch.float32, fuse_layers: bool = True
+    ) -> None:
         """Repack every projection and the logits' weight for layer_ops' CPU kernel, once the
-        checkpoint is in. A tied embedding is packed too (one copy of it, not two); lookups
-        then gather its columns from the panels.
+        checkpoint is in, rounded to ``weight_dtype`` (fp32, bf16 or fp16; the activations stay
+        fp32). A tied embedding is packed too (one copy of it, not two); lookups then gather
+        its columns from the panels. An untied one is only rounded to ``weight_dtype``.
 
         ``fuse_layers``: run the decoder layers in one C++ call from then on, where the family
         has one (``_fuse_layers``).
         """
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(weight_dtype)
+        weight = self.embed_tokens.weight.data
         if self.tie_word_embeddings:
-            weight = layer_ops.pack_linear_weight(self.embed_tokens.weight.data)
-            self.embed_tokens.weight = nn.Parameter(weight, False)
+            weight = layer_ops.pack_linear_weight(weight, weight_dtype)
+        self.embed_tokens.weight = nn.Parameter(weight.to(weight_dtype), False)
         if fuse_layers:
             self._fuse_layers()
 
@@ -96,11 +100,15 @@ class CausalLM(nn.Module):
         """Run the decoder layers in one C++ call from now on, where the family has one."""
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [.., hidden]
+        """The tokens' embeddings in the activations' dtype (the norms'): packed or 16-bit
+        tables on CPU are widened to fp32."""
         weight = self.embed_tokens.weight
         if layer_ops.is_packed(weight):  # token t is column t % 32 of panel t // 32
             panel = layer_ops.LINEAR_PANEL
-            return weight[input_ids // panel, :, input_ids % panel]
-        return self.embed_tokens(input_ids)
+            rows = weight[input_ids // panel, :, input_ids % panel]
+        else:
+            rows = self.embed_tokens(input_ids)
+        return rows.to(self.norm.weight.dtype)
 
     def load_hf_state_dict(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy transformers-named weights in, fusing q/k/v and gate/up as they arrive."""

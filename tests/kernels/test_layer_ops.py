@@ -56,6 +56,57 @@ def test_linear_matches_reference(rows: int, in_features: int, out_features: int
         torch.testing.assert_close(layer_ops.linear(x, weight, b), expected, **TOL)  # torch's
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [(1, 64, 9), (1, 576, 960), (9, 72, 13), (17, 576, 960), (385, 1536, 576), (1100, 72, 13)],
+)
+def test_16_bit_weights_match_fp32_on_their_rounded_values(
+    dtype: torch.dtype, rows: int, in_features: int, out_features: int
+) -> None:
+    # Weights packed in bf16 / fp16 are widened exactly to fp32 in registers, so the kernel
+    # computes the fp32 product over the rounded weights: the fp32 tolerance holds against the
+    # float64 reference on those weights.
+    x = _randn(rows, in_features)
+    weight = _randn(out_features, in_features, seed=1) * in_features**-0.5
+    packed = layer_ops.pack_linear_weight(weight, dtype)
+    assert packed.dtype == dtype and packed.shape == (-(-out_features // 32), in_features, 32)
+    rounded = weight.to(dtype).float()
+    bias = _randn(out_features, seed=2)
+    for b in (None, bias):
+        expected = reference.linear(x, rounded, b)
+        for vector_floats in (0, 8):
+            got = cpu_extension().linear(x, packed, b, out_features, vector_floats)
+            torch.testing.assert_close(got, expected, **TOL)
+    # Bit for bit the fp32 kernel's result on the rounded weights, whether each row block widens
+    # the panel as it sweeps it (one block) or the panel is widened once for all (several).
+    for vector_floats in (0, 8):
+        fp32 = layer_ops.pack_linear_weight(rounded)
+        want = cpu_extension().linear(x, fp32, bias, out_features, vector_floats)
+        assert torch.equal(
+            cpu_extension().linear(x, packed, bias, out_features, vector_floats), want
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_weights_widen_exactly(dtype: torch.dtype) -> None:
+    # One-hot rows of x read W's columns back: every value widened bit for bit, subnormals and
+    # the largest finite values included (not -0.0: the sum starts at +0.0).
+    info = torch.finfo(dtype)
+    special = [0.0, info.tiny, -info.tiny, info.smallest_normal / 4, info.max, -info.max]
+    values = torch.tensor([*special, 1.5, -3.25, 1e-7, 7e-6, 300.0], dtype=dtype)
+    weight = torch.cat([values, _randn(64 - values.numel()).to(dtype)]).view(1, 64).repeat(40, 1)
+    packed = layer_ops.pack_linear_weight(weight)
+    for vector_floats in (0, 8):
+        got = cpu_extension().linear(torch.eye(64), packed, None, 40, vector_floats)
+        assert torch.equal(got.view(torch.int32), weight.float().T.contiguous().view(torch.int32))
+
+
+def test_pack_linear_weight_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="bfloat16"):
+        layer_ops.pack_linear_weight(_randn(8, 64), torch.float64)
+
+
 @pytest.mark.parametrize("vector_floats", [0, 8])
 def test_linear_gives_a_row_the_same_bits_in_any_batch(vector_floats: int) -> None:
     # Each output is summed over k in order by whichever block holds its row, so a sequence's

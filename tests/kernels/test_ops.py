@@ -157,6 +157,41 @@ def test_float16_keeps_dtype_and_matches() -> None:
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_query_reads_a_16_bit_cache(cache_dtype: torch.dtype) -> None:
+    # fp32 activations over a bf16 / fp16 pool (--kv-cache-dtype): the cache's values are
+    # widened exactly, so the fp32 tolerance holds against the reference on the same cache.
+    args = _prefill_inputs([(70, 70), (130, 4), (300, 1)], 16, 64, 2, cache_dtype)
+    args = (args[0].float(), *args[1:])
+    out = ops.paged_attention_prefill(*args, 0.125)
+    assert out.dtype == torch.float32
+    expected = reference.paged_attention_prefill(*args, 0.125)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    for context_lens in ([5, 200], [1000]):  # the second cuts its context into parts
+        query, *rest = _decode_inputs(context_lens, 16, 64, 2, cache_dtype)
+        decode_args = (query.float(), *rest)
+        out = ops.paged_attention_decode(*decode_args, 0.125)
+        expected = reference.paged_attention_decode(*decode_args, 0.125)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_attention_refuses_a_16_bit_query_over_another_cache() -> None:
+    query, *rest = _decode_inputs([5], 16, 64, 2, torch.float16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.paged_attention_decode(query.bfloat16(), *rest, 0.125)
+
+
+def test_reshape_and_cache_rounds_to_the_cache_dtype() -> None:
+    gen = torch.Generator().manual_seed(4)
+    key, value = torch.randn(2, 3, NUM_KV_HEADS, 64, generator=gen)
+    key_cache, value_cache = torch.zeros(2, 2, 8, NUM_KV_HEADS, 64, dtype=torch.bfloat16)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([9, -1, 0]))
+    rows_k, rows_v = key_cache.view(-1, NUM_KV_HEADS, 64), value_cache.view(-1, NUM_KV_HEADS, 64)
+    assert torch.equal(rows_k[[9, 0]], key[[0, 2]].bfloat16())
+    assert torch.equal(rows_v[[9, 0]], value[[0, 2]].bfloat16())
+
+
 def test_thread_count_does_not_change_results() -> None:
     """Work items are split among threads whole, so any thread count gives the same bits."""
     args = _prefill_inputs([(300, 60), (1000, 1), (40, 40)], 16, 64, 3, torch.float32)

@@ -27,8 +27,10 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& key_cache
                             const std::optional<at::Tensor>& query_start_loc) {
   check_cache_pair(key_cache, value_cache, at::kCPU);
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu() &&
-                  query.scalar_type() == key_cache.scalar_type(),
-              "query must be a [num_tokens, num_heads, head_dim] CPU tensor of the caches' dtype");
+                  (query.scalar_type() == key_cache.scalar_type() ||
+                   query.scalar_type() == at::kFloat),
+              "query must be a [num_tokens, num_heads, head_dim] CPU tensor of the caches' dtype "
+              "or float32");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from the query's");
   TORCH_CHECK(query.size(2) % 8 == 0, "head_dim must be a multiple of 8, got ", query.size(2));
@@ -79,7 +81,7 @@ at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_
   p.max_num_blocks_per_seq = block_tables.size(1);
   p.sliding_window = sliding_window;
   p.scale = static_cast<float>(scale);
-  cpu::paged_attention(query.scalar_type(), p);
+  cpu::paged_attention(query.scalar_type(), key_cache.scalar_type(), p);
   return out;
 }
 
@@ -105,12 +107,16 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
               "x must be a [rows, in_features] float32 CPU tensor with contiguous rows");
   TORCH_CHECK(out_features >= 0, "out_features must be >= 0, got ", out_features);
   const int64_t panels = (out_features + cpu::kLinearPanel - 1) / cpu::kLinearPanel;
+  const at::ScalarType weight_dtype = weight.scalar_type();
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu() &&
-                  weight.scalar_type() == at::kFloat && weight.size(0) == panels &&
-                  weight.size(1) == x.size(1) && weight.size(2) == cpu::kLinearPanel,
+                  (weight_dtype == at::kFloat || weight_dtype == at::kBFloat16 ||
+                   weight_dtype == at::kHalf) &&
+                  weight.size(0) == panels && weight.size(1) == x.size(1) &&
+                  weight.size(2) == cpu::kLinearPanel,
               "weight must be packed by layer_ops.pack_linear_weight: a contiguous [", panels,
-              ", ", x.size(1), ", ", cpu::kLinearPanel, "] float32 CPU tensor, got ",
-              weight.sizes());
+              ", ", x.size(1), ", ", cpu::kLinearPanel,
+              "] float32, bfloat16 or float16 CPU tensor, got ", weight.sizes(), " ",
+              weight_dtype);
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == out_features &&
                     bias->scalar_type() == at::kFloat && bias->device().is_cpu(),
@@ -120,7 +126,8 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
   LinearParams p{};
   p.y = y.data_ptr<float>();
   p.x = x.data_ptr<float>();
-  p.weight = weight.data_ptr<float>();
+  p.weight = weight.data_ptr();
+  p.weight_dtype = weight_dtype;
   p.bias = bias ? bias->data_ptr<float>() : nullptr;
   p.x_row_stride = x.stride(0);
   p.rows = x.size(0);
@@ -293,7 +300,9 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
     if (w[10]) q = head_rms_norm(q, *w[10], eps);
     if (w[11]) k = head_rms_norm(k, *w[11], eps);
     rotary_embedding_op(positions, q, k, cos, sin);
-    reshape_and_cache_op(k, v, key_cache, value_cache, slot_mapping);
+    const at::ScalarType cache_dtype = key_cache.scalar_type();  // fp32, or 16 bits to halve it
+    reshape_and_cache_op(k.to(cache_dtype), v.to(cache_dtype), key_cache, value_cache,
+                         slot_mapping);
     at::Tensor attn = attend(q, key_cache, value_cache, step, scale, sliding_windows[i]);
     at::Tensor out = linear_op(attn.view({num_tokens, q_size}), *w[3], w[9], hidden_size, 0);
     hidden = out.add_(hidden);  // the residual, into the fresh projection
@@ -342,7 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
         py::arg("sliding_windows"),
-        "a Llama decoder's layers on fp32 CPU tensors with packed projections");
+        "a Llama decoder's layers on fp32 CPU activations with packed projections (fp32, bf16 "
+        "or fp16) and caches of any of those dtypes");
   m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, NoGil(), py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"));

@@ -8,7 +8,7 @@
 namespace pagedserve::cpu {
 
 struct AttentionParams {
-  void* out;                       // [num_tokens, num_heads, head_dim], contiguous
+  void* out;                       // [num_tokens, num_heads, head_dim], contiguous, query's dtype
   const void* query;               // [num_tokens, num_heads, head_dim], heads contiguous
   const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
   const void* value_cache;         // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -29,7 +29,9 @@ struct AttentionParams {
 
 // Causal attention of each sequence's new tokens over its context, read in place through the
 // block table; parallel over (sequence, kv head, tile of new tokens) on torch's intra-op threads.
-void paged_attention(c10::ScalarType dtype, const AttentionParams& params);
+// out has query's dtype: the caches' or float32 (fp32 activations over a 16-bit cache).
+void paged_attention(c10::ScalarType query_dtype, c10::ScalarType cache_dtype,
+                     const AttentionParams& params);
 
 // Output features per panel of a packed linear weight (layer_ops.LINEAR_PANEL).
 constexpr int64_t kLinearPanel = 32;
@@ -37,7 +39,8 @@ constexpr int64_t kLinearPanel = 32;
 struct LinearParams {
   float* y;              // [rows, out_features], contiguous
   const float* x;        // [rows, in_features], elements contiguous within a row
-  const float* weight;   // packed: [ceil(out_features / 32), in_features, 32], zero-padded
+  const void* weight;    // packed: [ceil(out_features / 32), in_features, 32], zero-padded
+  c10::ScalarType weight_dtype;  // Float, BFloat16 or Half
   const float* bias;     // [out_features] or nullptr
   int64_t x_row_stride;  // elements between two rows of x
   int64_t rows;
@@ -45,8 +48,9 @@ struct LinearParams {
   int64_t out_features;
 };
 
-// y = x W^T + b; parallel over panels of rows and runs of weight panels. vector_floats 8 picks
-// 8-float vectors even where the CPU has 16 (tests, benchmarks); anything else, the widest.
+// y = x W^T + b in fp32 (16-bit weights widened exactly); parallel over panels of rows and runs
+// of weight panels. vector_floats 8 picks 8-float vectors even where the CPU has 16 (tests,
+// benchmarks); anything else, the widest.
 void linear(const LinearParams& params, int64_t vector_floats);
 
 struct RmsNormParams {

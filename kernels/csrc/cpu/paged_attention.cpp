@@ -267,19 +267,19 @@ PAGEDSERVE_INLINE NextBlockPrefetch<T> block_prefetch(const AttentionParams& p,
 }
 
 // `following`: the item a thread is likely to take next (its first block is prefetched during
-// this item's last), or nullptr.
-template <typename T>
+// this item's last), or nullptr. Q: the query's and output's type, T: the caches'.
+template <typename Q, typename T>
 PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, const Scratch& s,
                               float* partials, const WorkItem* following) {
   const int64_t dim = p.head_dim, block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads, rows = item.num_tokens * group;
   const int64_t kv_token_stride = p.num_kv_heads * dim;
-  const T* query = static_cast<const T*>(p.query);
+  const Q* query = static_cast<const Q*>(p.query);
   // Scratch row h * rows + t * group + g: kv head h of the item, tile token t, group head g.
   for (int64_t h = 0; h < item.num_kv_heads; ++h) {
     const int64_t head_offset = (item.first_kv_head + h) * group * dim;
     for (int64_t t = 0; t < item.num_tokens; ++t) {
-      const T* src = query + (item.first_token + t) * p.query_token_stride + head_offset;
+      const Q* src = query + (item.first_token + t) * p.query_token_stride + head_offset;
       load_scaled(src, p.scale, s.q + (h * rows + t * group) * dim, group * dim);
     }
   }
@@ -331,30 +331,41 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
   }
   for (int64_t h = 0; h < item.num_kv_heads; ++h) {
     const int64_t head_offset = (item.first_kv_head + h) * group * dim;
-    T* out = static_cast<T*>(p.out) + item.first_token * p.num_heads * dim + head_offset;
+    Q* out = static_cast<Q*>(p.out) + item.first_token * p.num_heads * dim + head_offset;
     for (int64_t r = 0; r < rows; ++r) {
-      T* dst = out + (r / group) * p.num_heads * dim + (r % group) * dim;
+      Q* dst = out + (r / group) * p.num_heads * dim + (r % group) * dim;
       const int64_t row = h * rows + r;
       store_scaled(s.acc + row * dim, 1.0f / s.sum[row], dst, dim);
     }
   }
 }
 
-// One clone set per dtype: the loader picks the widest instruction set the machine has.
+// One clone set per (query, cache) dtype pair: the loader picks the widest instruction set the
+// machine has.
 PAGEDSERVE_CPU_CLONES void attend_float(const AttentionParams& p, const WorkItem& item,
                                         const Scratch& s, float* partials,
                                         const WorkItem* following) {
-  attend<float>(p, item, s, partials, following);
+  attend<float, float>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_bfloat16(const AttentionParams& p, const WorkItem& item,
                                            const Scratch& s, float* partials,
                                            const WorkItem* following) {
-  attend<c10::BFloat16>(p, item, s, partials, following);
+  attend<c10::BFloat16, c10::BFloat16>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_half(const AttentionParams& p, const WorkItem& item,
                                        const Scratch& s, float* partials,
                                        const WorkItem* following) {
-  attend<c10::Half>(p, item, s, partials, following);
+  attend<c10::Half, c10::Half>(p, item, s, partials, following);
+}
+PAGEDSERVE_CPU_CLONES void attend_float_bfloat16(const AttentionParams& p, const WorkItem& item,
+                                                 const Scratch& s, float* partials,
+                                                 const WorkItem* following) {
+  attend<float, c10::BFloat16>(p, item, s, partials, following);
+}
+PAGEDSERVE_CPU_CLONES void attend_float_half(const AttentionParams& p, const WorkItem& item,
+                                             const Scratch& s, float* partials,
+                                             const WorkItem* following) {
+  attend<float, c10::Half>(p, item, s, partials, following);
 }
 
 // out = the parts' accumulators at their common max over their sums at that max.
@@ -436,27 +447,30 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
 
 }  // namespace
 
-void paged_attention(c10::ScalarType dtype, const AttentionParams& params) {
+void paged_attention(c10::ScalarType query_dtype, c10::ScalarType cache_dtype,
+                     const AttentionParams& params) {
   using AttendFn =
       void (*)(const AttentionParams&, const WorkItem&, const Scratch&, float*, const WorkItem*);
   using MergeFn = void (*)(const AttentionParams&, const Split&, const float*);
+  using c10::ScalarType;
   AttendFn attend_item = nullptr;
   MergeFn merge = nullptr;
-  switch (dtype) {
-    case c10::ScalarType::Float:
-      attend_item = attend_float;
-      merge = merge_parts<float>;
-      break;
-    case c10::ScalarType::BFloat16:
-      attend_item = attend_bfloat16;
-      merge = merge_parts<c10::BFloat16>;
-      break;
-    case c10::ScalarType::Half:
-      attend_item = attend_half;
-      merge = merge_parts<c10::Half>;
-      break;
-    default: TORCH_CHECK(false, "paged attention supports float32, float16 and bfloat16");
+  if (query_dtype == ScalarType::Float) {
+    merge = merge_parts<float>;
+    attend_item = cache_dtype == ScalarType::BFloat16 ? attend_float_bfloat16
+                  : cache_dtype == ScalarType::Half   ? attend_float_half
+                  : cache_dtype == ScalarType::Float  ? attend_float
+                                                      : nullptr;
+  } else if (query_dtype == cache_dtype && query_dtype == ScalarType::BFloat16) {
+    attend_item = attend_bfloat16;
+    merge = merge_parts<c10::BFloat16>;
+  } else if (query_dtype == cache_dtype && query_dtype == ScalarType::Half) {
+    attend_item = attend_half;
+    merge = merge_parts<c10::Half>;
   }
+  TORCH_CHECK(attend_item != nullptr,
+              "paged attention takes float32, float16 or bfloat16 caches, with queries of the "
+              "caches' dtype or float32; got ", query_dtype, " queries, ", cache_dtype, " caches");
   const int64_t group = params.num_heads / params.num_kv_heads;
   const int64_t threads = at::get_num_threads();
   const bool decode = !params.query_start_loc;
