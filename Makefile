@@ -54,6 +54,8 @@ bench: install
 	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
 	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 --json $(RES)/structured.json
 	$(PY) bench/control_plane.py --window 2 --json $(RES)/control_plane.json
+	$(PY) bench/dtypes.py --preset alpaca --num-requests 16 --rounds 2 --prompts 8 \
+		--json $(RES)/dtypes_alpaca.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
 
