@@ -4,7 +4,6 @@ on what it did (and saw)."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -48,11 +47,7 @@ def redis_kill_9(cluster: Cluster) -> str:
 
 def redis_restarted_empty(cluster: Cluster) -> str:
     """kill -9, the append-only file deleted, a restart: the journal is gone."""
-    cluster.redis.kill()
-    for path in cluster.data_dir.iterdir():
-        if path.name != "server.log":
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    cluster.redis.start()
+    cluster.redis.restart_empty()
     return "kill -9, data deleted, restarted empty"
 
 

@@ -108,6 +108,14 @@ class RedisServer:
         self.proc.kill()
         self.proc.wait()
 
+    def restart_empty(self) -> None:
+        """kill -9, every data file deleted, a restart: the store has lost everything."""
+        self.kill()
+        for path in self.data_dir.iterdir():
+            if path.name != "server.log":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.start()
+
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
 

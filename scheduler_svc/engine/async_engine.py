@@ -25,7 +25,7 @@ import structlog
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 from scheduler_svc.engine.executor_client import StepRefused
-from scheduler_svc.engine.lane_set import Fleet, LaneSet, newest_epoch_seen
+from scheduler_svc.engine.lane_set import Fleet, LaneSet, probe_stats
 from scheduler_svc.engine.lanes import Lane, NewRequest
 from scheduler_svc.engine.step_observer import StepObserver
 from scheduler_svc.state.leader import Lease, LeaseKeeper
@@ -193,7 +193,12 @@ class AsyncEngine:
         addresses = set(self.fleet.executors)
         if self.fleet.registry is not None:
             addresses |= set(self.fleet.registry.executors()[0])
-        return max((newest_epoch_seen(a, self.fleet.tls) for a in addresses), default=0)
+        return max((self._epoch_seen_by(address) for address in addresses), default=0)
+
+    def _epoch_seen_by(self, address: str) -> int:
+        """The newest epoch the executor at ``address`` has seen, 0 if it does not answer."""
+        stats = probe_stats(address, self.fleet.tls)
+        return stats.epoch if stats is not None else 0
 
     async def _end_term(self) -> None:
         """Stop the loops; clients streaming here continue from the store."""
@@ -403,7 +408,7 @@ class AsyncEngine:
             return False
         if e.code != grpc.StatusCode.FAILED_PRECONDITION:
             return False
-        seen = await asyncio.to_thread(newest_epoch_seen, lane.name, self.fleet.tls)
+        seen = await asyncio.to_thread(self._epoch_seen_by, lane.name)
         if seen < self.epoch:
             return False
         epoch = await asyncio.to_thread(self.store.begin_epoch, seen + 1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from pagedserve.model_info import ExecutorStats
 from pagedserve.registry import ExecutorRegistry
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import TlsOptions
@@ -209,7 +210,7 @@ class LaneSet:
         for name, record in records.items():
             if name in self.lanes or record.draining:
                 continue
-            if name in gone and not await asyncio.to_thread(_answers, name, self.fleet.tls):
+            if name in gone and not await asyncio.to_thread(probe_stats, name, self.fleet.tls):
                 continue
             try:
                 engine = await asyncio.to_thread(self.fleet.open_engine, name)
@@ -357,28 +358,15 @@ def _request_id(item: NewRequest | Move) -> str:
     return item.request_id if isinstance(item, NewRequest) else item.group.request_id
 
 
-def newest_epoch_seen(address: str, tls: TlsOptions | None) -> int:
-    """The newest scheduler epoch the executor at ``address`` has seen, 0 if it does not
-    answer now (a short GetStats)."""
+def probe_stats(address: str, tls: TlsOptions | None) -> ExecutorStats | None:
+    """The executor's stats at ``address`` by a short GetStats, None if it does not answer."""
     client = ExecutorClient(address, tls=tls)
     try:
-        return client.get_stats(timeout=PROBE_TIMEOUT_S).epoch
+        return client.get_stats(timeout=PROBE_TIMEOUT_S)
     except ExecutorError:
-        return 0
+        return None
     finally:
         client.close()
-
-
-def _answers(address: str, tls: TlsOptions | None) -> bool:
-    """Whether an executor answers at ``address`` now (a short GetStats)."""
-    client = ExecutorClient(address, tls=tls)
-    try:
-        client.get_stats(timeout=PROBE_TIMEOUT_S)
-    except ExecutorError:
-        return False
-    finally:
-        client.close()
-    return True
 
 
 def _away(lane: Lane) -> float:

@@ -6,7 +6,6 @@ into a crash. Real processes: a private redis-server, executor, scheduler."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -113,15 +112,10 @@ def test_a_redis_restarted_empty_is_led_past_the_executors_epoch(
     url, _, procs = deployment
     assert stream_text(url, PROMPTS[0]) == reference[PROMPTS[0]]  # the executor saw epochs
 
-    def wipe() -> None:
-        redis_server.kill()
-        shutil.rmtree(redis_server.data_dir / "appendonlydir")
-        redis_server.start()
-
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         in_flight = [pool.submit(complete_status, url, p) for p in PROMPTS]
         wait_until(lambda: metric(url, "num_requests") >= 1, 60, "a request in the engine")
-        wipe()
+        redis_server.restart_empty()
         assert all(isinstance(f.result(timeout=180), int) for f in in_flight)
     wait_executors(url, 1)
     wait_until(lambda: complete_status(url, PROMPTS[1]) == 200, 60, "served again")
