@@ -9,6 +9,9 @@ then are cancelled (the server aborts them) and count as failed. Normalized late
 mean over completed requests of end-to-end seconds per output token.
 
     pagedserve  `pagedserve serve` (executor + scheduler processes)
+    in-process  the same engine stepped in this process, each request added at its arrival
+                time and timed at the end of the step that produced its tokens: what the
+                services would give with no HTTP, gRPC, Redis or client in the way
     vllm        vLLM's OpenAI server from --vllm-python's venv, same trace
 
     python bench/serving.py --preset sharegpt --rates 0.25,0.5,1,2 --num-requests 100 \\
@@ -56,7 +59,8 @@ from bench.common import (
 from bench.launch import NO_VLLM, pagedserve_server, vllm_server
 from bench.vllm_client import client_args, random_dataset, run_client, sharegpt_dataset
 
-SYSTEMS = ("pagedserve", "vllm")
+SYSTEMS = ("pagedserve", "in-process", "vllm")
+CLIENT_SYSTEMS = ("pagedserve", "vllm")  # --client vllm needs a server
 
 
 @dataclass(slots=True)
@@ -233,6 +237,70 @@ def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str
     return {"model": Path(model).name, "client": "vllm", "rates": rates}
 
 
+def replay_in_process(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+    """Every rate replayed against the in-process engine in one loop: add what has arrived,
+    step, time the tokens at the step's end. The engine keeps the serving defaults (decode
+    steps in a row only after a quiet spell), so the only difference from `pagedserve serve`
+    is the path around the engine: HTTP, gRPC, Redis and the client."""
+    from pagedserve.offline import OfflineLLM
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.settings import ExecutorConfig
+
+    llm = OfflineLLM(ExecutorConfig(**engine_flags(args)), online=True)
+    engine = llm.engine
+    rates: dict[str, Any] = {}
+    try:
+        for rate in sorted(args.rates):
+            arrivals = poisson_arrivals(trace.num_requests, rate, args.seed)
+            arrivals = [at for at in arrivals if at <= args.duration]
+            groups, first, done = [], {}, {}
+            with progress(len(arrivals), f"in-process @ {rate:g} req/s") as bar:
+                t0 = time.perf_counter()
+                while len(done) < len(arrivals):
+                    now = time.perf_counter() - t0
+                    if now > arrivals[-1] + args.drain:
+                        break
+                    while len(groups) < len(arrivals) and arrivals[len(groups)] <= now:
+                        i = len(groups)
+                        params = SamplingParams(
+                            temperature=0.0, max_tokens=trace.output_lens[i], ignore_eos=True
+                        )
+                        group = engine.add_request(f"{rate:g}-{i}", trace.prompts[i], params)
+                        groups.append(group)
+                    if not engine.has_unfinished():
+                        time.sleep(max(0.0, arrivals[len(groups)] - now))
+                        continue
+                    engine.step()
+                    end = time.perf_counter() - t0
+                    for i, group in enumerate(groups):
+                        if i not in first and group.seqs[0].output_token_ids:
+                            first[i] = end
+                        if i not in done and group.is_finished():
+                            done[i] = end
+                            bar.update(1)
+            for group in groups:
+                if not group.is_finished():
+                    engine.abort(group.request_id)
+            records = [
+                RequestRecord(
+                    True,
+                    len(groups[i].seqs[0].output_token_ids),
+                    ttft=first[i] - arrivals[i],
+                    e2e=end - arrivals[i],
+                    finished_at=end,
+                )
+                for i, end in done.items()
+            ]
+            records += [RequestRecord(False, error="timed out (after --drain)")] * (
+                len(arrivals) - len(done)
+            )
+            elapsed = max(done.values(), default=time.perf_counter() - t0)
+            rates[f"{rate:g}"] = summarize(records, elapsed, trace.num_requests)
+    finally:
+        llm.close()
+    return {"model": args.model, "rates": rates}
+
+
 def run_system(name: str, trace: Trace | None, args: argparse.Namespace) -> dict[str, Any]:
     """A sweep, or ``{"skipped": reason}``: a system that can't run is never dropped."""
     from pagedserve.model_files import resolve_model
@@ -240,6 +308,8 @@ def run_system(name: str, trace: Trace | None, args: argparse.Namespace) -> dict
     if (name == "vllm" or args.client == "vllm") and args.vllm_python is None:
         return {"skipped": NO_VLLM}
     try:
+        if name == "in-process":
+            return replay_in_process(trace, args)
         if name == "vllm":
             model_dir = resolve_model(args.model)
             server = vllm_server(args.vllm_python, model_dir, args.max_model_len, args.seed)
@@ -385,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_vllm_client(args: argparse.Namespace) -> int:
-    systems = {name: run_system(name, None, args) for name in SYSTEMS}
+    systems = {name: run_system(name, None, args) for name in CLIENT_SYSTEMS}
     if args.client_dataset == "sharegpt":
         requests = "requests of the sharegpt preset's lengths (a ShareGPT-format file)"
     else:

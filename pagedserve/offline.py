@@ -55,8 +55,15 @@ class OfflineLLM:
     """Loads the model once; ``generate`` runs a batch of requests to completion."""
 
     def __init__(
-        self, executor_config: ExecutorConfig, engine: EngineOptions | None = None
+        self,
+        executor_config: ExecutorConfig,
+        engine: EngineOptions | None = None,
+        online: bool = False,
     ) -> None:
+        """Args:
+        online: requests will arrive while others run (a replay of a serving load): keep
+            the serving quiet period before decode steps in a row.
+        """
         from executor_svc.executor import Executor
         from pagedserve.model_files import load_tokenizer
         from scheduler_svc.engine.detokenizer import Detokenizer
@@ -66,9 +73,10 @@ class OfflineLLM:
         self.tokenizer = load_tokenizer(self.executor.model_path)  # None: token ids only
         info = self.executor.init_cache()
         self.info = info
-        # Every request is here from the start: no arrival to wait for between steps.
-        offline = dataclasses.replace(engine or EngineOptions(), decode_steps_quiet_s=0.0)
-        cache_config, scheduler_config = offline.configs(info)
+        options = engine or EngineOptions()
+        if not online:  # every request is here from the start: no arrival to wait for
+            options = dataclasses.replace(options, decode_steps_quiet_s=0.0)
+        cache_config, scheduler_config = options.configs(info)
         detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.engine = LLMEngine(
             self.executor, cache_config, scheduler_config, info.eos_token_id, detokenizer

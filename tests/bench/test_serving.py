@@ -47,12 +47,14 @@ def test_serving_sweep_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
     cmd.append(f"--json={out}")
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "pagedserve @2" in done.stdout and "norm. s/tok" in done.stdout
+    assert "pagedserve @2" in done.stdout and "in-process @8" in done.stdout
+    assert "norm. s/tok" in done.stdout
     systems = json.loads(out.read_text())["systems"]
     assert "--vllm-python" in systems["vllm"]["skipped"]
-    rates = systems["pagedserve"]["rates"]
-    assert list(rates) == ["2", "8"]
-    for r in rates.values():
+    assert (
+        list(systems["pagedserve"]["rates"]) == list(systems["in-process"]["rates"]) == ["2", "8"]
+    )
+    for r in [*systems["pagedserve"]["rates"].values(), *systems["in-process"]["rates"].values()]:
         assert (r["completed"], r["failed"]) == (4, 0)
         assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p99"]
         assert r["tpot_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
