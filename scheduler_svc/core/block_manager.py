@@ -93,17 +93,31 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the waiting sequences fit, keeping the watermark free. No side effects."""
+    def can_allocate(self, group: SequenceGroup, step_tokens: int | None = None) -> AllocStatus:
+        """Whether the waiting sequences fit, keeping the watermark free. With
+        ``step_tokens`` (the most positions of a sequence one step computes, its prompt going
+        in chunks) a sequence needs at most ``max_blocks_held`` blocks. No side effects."""
         required = total = 0
         reuse = not group.needs_prompt_logprobs
         for token_ids in self._distinct_prompts(group):
             hits = self._reusable_prefix(token_ids) if reuse else []
-            total += self.blocks_for(len(token_ids))
-            required += self.blocks_for(len(token_ids)) - sum(
-                self.gpu.ref_counts[b] > 0 for b in hits
-            )
+            num_blocks = self.blocks_for(len(token_ids))
+            if step_tokens is not None:
+                num_blocks = self.max_blocks_held(len(token_ids), step_tokens)
+            total += num_blocks
+            live = hits[self._num_outside_window(len(hits) * self.block_size) :]
+            required += num_blocks - sum(self.gpu.ref_counts[b] > 0 for b in live)
         return self._admission(total, required)
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once when no step computes
+        more than ``step_tokens`` of its positions: all of them, or under a sliding window
+        those covering the window of a step's first position and the step's own (a span of
+        W - 1 + step_tokens positions, one block more for where it starts)."""
+        every = self.blocks_for(num_tokens)
+        if self.sliding_window == 0:
+            return every
+        return min(every, self.blocks_for(self.sliding_window - 1 + step_tokens) + 1)
 
     def _admission(self, total: int, required: int) -> AllocStatus:
         """NEVER when ``total`` blocks exceed the pool less the watermark; OK when taking
@@ -134,7 +148,7 @@ class BlockManager:
             token_ids = seq.get_token_ids()
             key = tuple(token_ids)
             if key in tables:
-                for block_id in tables[key][0]:
+                for block_id in _held(tables[key][0]):
                     self.gpu.incref(block_id)
             else:
                 tables[key] = self._allocate_table(token_ids, max_new_tokens, reuse)
@@ -143,7 +157,6 @@ class BlockManager:
             self.block_tables[seq.seq_id] = list(table)
             self._num_slots[seq.seq_id] = num_slots
             self._hashes[seq.seq_id] = list(hashes)
-            self._free_outside_window(seq)
         return num_cached
 
     def _allocate_table(
@@ -151,20 +164,23 @@ class BlockManager:
     ) -> tuple[list[BlockId], int, int, list[BlockHash]]:
         """A new table for these tokens, how many leading tokens it found computed (none
         unless ``reuse``), how many slots it maps, and the hashes of the full blocks among
-        them."""
+        them. Cached blocks wholly before the window of the first position to compute are
+        not taken: their entries are NO_BLOCK from the start."""
         hits = self._reusable_prefix(token_ids) if reuse else []
-        for block_id in hits:
-            self.gpu.incref(block_id)
         num_hit_tokens = len(hits) * self.block_size
+        num_outside = self._num_outside_window(num_hit_tokens)
+        for block_id in hits[num_outside:]:
+            self.gpu.incref(block_id)
         num_slots = len(token_ids)
         if max_new_tokens is not None:
             num_slots = min(num_slots, num_hit_tokens + max_new_tokens)
-        table = list(hits)
+        table = [NO_BLOCK] * num_outside + hits[num_outside:]
+        self.counters.window_freed_blocks += num_outside
         for _ in range(self.blocks_for(num_slots) - len(hits)):
             table.append(self.gpu.allocate(after=_last(table)))
         # Only blocks this step fills are published: a later chunk's are not computed yet.
         hashes = self._chain_hashes(token_ids[:num_slots])
-        for index, block_hash in enumerate(hashes):
+        for index, block_hash in enumerate(hashes[num_outside:], num_outside):
             self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
         if self.enable_prefix_caching and reuse:
             self.counters.prefix_cache_queries += len(token_ids)
@@ -231,17 +247,21 @@ class BlockManager:
             window of p:              p - W + 1 ......... p
             freed:       block i, since (i + 1) * block_size <= p - W + 1
         """
-        if self.sliding_window == 0:
-            return
-        first_seen = seq.num_computed_tokens - self.sliding_window + 1
         table = self.block_tables[seq.seq_id]
         # Freed entries are a leading run: walk back from the last one now outside.
-        for index in reversed(range(max(0, first_seen) // self.block_size)):
+        for index in reversed(range(self._num_outside_window(seq.num_computed_tokens))):
             if table[index] == NO_BLOCK:
                 break
             self.gpu.free(table[index])
             table[index] = NO_BLOCK
             self.counters.window_freed_blocks += 1
+
+    def _num_outside_window(self, position: int) -> int:
+        """Leading blocks wholly before the window of ``position``: no layer reads them
+        from there on (0 without a window)."""
+        if self.sliding_window == 0:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
 
     def unmap_ahead(self, seq: Sequence) -> None:
         """Give back the slots mapped for decode steps in a row that did not run (the call

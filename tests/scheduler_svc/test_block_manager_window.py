@@ -4,10 +4,17 @@
 from __future__ import annotations
 
 import math
+import random
 
+import pytest
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.settings import PreemptionMode, SchedulerConfig
 from pagedserve.step import NO_BLOCK
-from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.block_manager import AllocStatus, BlockManager
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.sequence import Sequence, SequenceGroup
+from tests.scheduler_svc.fake_executor import FakeExecutor, run_engine
 from tests.scheduler_svc.test_block_manager import admit, make_group
 
 WINDOW = 6
@@ -153,3 +160,37 @@ def test_a_persisted_table_with_freed_entries_restores():
     bm.restore(seq, [NO_BLOCK, 5, 6], 9, on_cpu=False)
     assert bm.gpu.ref_counts[5:7] == [1, 1] and bm.gpu.num_used_blocks == 2
     bm.check_integrity()
+
+
+def test_a_prompt_longer_than_the_pool_is_admitted_in_chunks():
+    """40 tokens take 10 blocks of the 8, but steps of at most 8 positions under a window of
+    6 hold at most blocks_for(5 + 8) + 1 = 5 at once."""
+    bm = window_manager()
+    group = make_group("a", list(range(1, 41)))
+    assert bm.can_allocate(group) == AllocStatus.NEVER
+    assert bm.max_blocks_held(40, step_tokens=8) == 5
+    assert bm.can_allocate(group, step_tokens=8) == AllocStatus.OK
+    assert window_manager(sliding_window=0).can_allocate(group, step_tokens=8) == AllocStatus.NEVER
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+@pytest.mark.parametrize("num_gpu_blocks", [12, 15, 16, 24])
+def test_the_scheduler_runs_long_sequences_through_a_small_pool(mode, num_gpu_blocks):
+    """Prompts and outputs of many windows, two sharing a prefix, in chunks, on pools that
+    hold a few windows: the fake executor reads every window back intact at every step,
+    whatever preemption and the prefix cache did to the tables."""
+    bm = BlockManager(8, num_gpu_blocks, 64, 0.01, enable_prefix_caching=True, sliding_window=24)
+    config = SchedulerConfig(max_num_batched_tokens=32, max_model_len=1024, preemption_mode=mode)
+    scheduler = Scheduler(config, bm)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 500) for _ in range(48)]
+    for i, n in enumerate([150, 280, 230]):
+        prompt = (prefix if i < 2 else []) + [rng.randrange(3, 500) for _ in range(n)]
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        scheduler.add_seq_group(SequenceGroup(str(i), [Sequence(i, prompt)], i, params))
+    finished, outputs = run_engine(scheduler, FakeExecutor(bm))
+    assert [len(g.seqs[0].output_token_ids) for g in finished] == [200] * 3
+    bm.check_integrity()
+    assert bm.gpu.num_used_blocks == 0 and bm.counters.window_freed_blocks > 0
+    if num_gpu_blocks == 15:
+        assert sum(len(out.preempted) for out in outputs) > 0
