@@ -188,6 +188,23 @@ def test_unsupported_configs_are_refused_naming_the_field(config_class, override
         decoder_spec(config)
 
 
+@pytest.mark.parametrize(
+    ("name", "window"),
+    [
+        ("mistral-sliding-window", 24),
+        ("qwen2-sliding-window", 0),  # layer 0 below max_window_layers attends to everything
+        ("gemma3", 0),  # global layers
+        ("qwen2", 0),
+    ],
+)
+def test_blocks_are_freed_outside_the_window_only_when_every_layer_slides(name, window) -> None:
+    import transformers
+
+    config_class, overrides = CASES[name]
+    config = getattr(transformers, config_class)(**(SHAPE | overrides))
+    assert decoder_spec(config).kv_window == window
+
+
 def test_longrope_is_served_up_to_its_original_length() -> None:
     import transformers
 
