@@ -177,7 +177,7 @@ class BlockManager:
         table = [NO_BLOCK] * num_outside + hits[num_outside:]
         self.counters.window_freed_blocks += num_outside
         for _ in range(self.blocks_for(num_slots) - len(hits)):
-            table.append(self.gpu.allocate(after=_last(table)))
+            table.append(self.gpu.allocate(after=_before(table, len(table))))
         # Only blocks this step fills are published: a later chunk's are not computed yet.
         hashes = self._chain_hashes(token_ids[:num_slots])
         for index, block_hash in enumerate(hashes[num_outside:], num_outside):
@@ -228,12 +228,12 @@ class BlockManager:
         copy = None
         if self._writes_shared_tail(seq, target):
             last = table[-1]
-            table[-1] = self.gpu.allocate(after=_last(table[:-1]))
+            table[-1] = self.gpu.allocate(after=_before(table, len(table) - 1))
             self.gpu.free(last)
             self.counters.cow_copies += 1
             copy = (last, table[-1])
         while len(table) < self.blocks_for(target):
-            table.append(self.gpu.allocate(after=_last(table)))
+            table.append(self.gpu.allocate(after=_before(table, len(table))))
         self._num_slots[seq.seq_id] = max(num_slots, target)
         self._register_full_blocks(seq, len(self._hashes[seq.seq_id]))
         return copy
@@ -390,7 +390,7 @@ class BlockManager:
                 if block_id in moved:
                     dst.incref(moved[block_id])
                 else:
-                    moved[block_id] = dst.allocate(after=_last(table[:index]))
+                    moved[block_id] = dst.allocate(after=_before(table, index))
                 src.free(block_id)
                 table[index] = moved[block_id]
         return list(moved.items())
@@ -499,6 +499,6 @@ def _held(table: list[BlockId]) -> list[BlockId]:
     return table[num_freed(table) :]
 
 
-def _last(table: list[BlockId]) -> BlockId | None:
-    """The block a table's next one should follow physically, if it holds one."""
-    return table[-1] if table and table[-1] != NO_BLOCK else None
+def _before(table: list[BlockId], index: int) -> BlockId | None:
+    """The block that entry ``index`` should follow physically, if the entry before holds one."""
+    return table[index - 1] if index > 0 and table[index - 1] != NO_BLOCK else None

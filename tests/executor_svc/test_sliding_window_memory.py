@@ -24,7 +24,7 @@ BUDGET = 32  # tokens a step: prompts go in chunks
 NEW_TOKENS = 200
 # A shared 48-token prefix (prefix caching takes its blocks); prompt + output 10-20 windows.
 PROMPTS = make_prompts(VOCAB, [150, 280], seed=5, prefix=make_prompts(VOCAB, [48], seed=8)[0])
-PROMPTS += make_prompts(VOCAB, [230], seed=6)
+PROMPTS += make_prompts(VOCAB, [230], seed=6) + make_prompts(VOCAB, [40], seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,8 @@ def test_blocks_outside_the_window_are_freed_and_generation_matches_hf(mistral) 
 @pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
 def test_generation_matches_hf_under_preemption(mistral, mode: PreemptionMode) -> None:
     model_dir, reference = mistral
-    seqs, _, llm = generate(model_dir, num_gpu_blocks=15, preemption_mode=mode)
+    # 16 blocks: decoding groups are swapped out, prompts part-way through recomputed.
+    seqs, _, llm = generate(model_dir, num_gpu_blocks=16, preemption_mode=mode)
     assert llm.engine.stats.preemptions.get(mode.value, 0) > 0
     assert llm.engine.scheduler.block_manager.counters.window_freed_blocks > 0
     llm.close()
