@@ -124,11 +124,9 @@ def run_setting(model: str, args: argparse.Namespace, free: bool, name: str) -> 
 def print_results(results: dict[str, Any]) -> None:
     headers = ["blocks outside window", "peak used", "mean used", "max running", "mean running"]
     headers += ["preemptions", "steps", "output tok/s"]
-    rows = [
-        [name, r["peak_blocks_used"], r["mean_blocks_used"], r["max_running_seqs"]]
-        + [r["mean_running_seqs"], r["preemptions"], r["steps"], r["output_tok_per_s"]]
-        for name, r in results.items()
-    ]
+    keys = ("peak_blocks_used", "mean_blocks_used", "max_running_seqs", "mean_running_seqs")
+    keys += ("preemptions", "steps", "output_tok_per_s")
+    rows = [[name, *(r[key] for key in keys)] for name, r in results.items()]
     print_table(headers, rows)
 
 
