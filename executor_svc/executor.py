@@ -45,8 +45,9 @@ class Executor:
         )
         self.model_path = resolve_model(config.model)
         hf_config = load_config(self.model_path)
-        max_positions = decoder_spec(hf_config).max_positions
-        self.max_model_len = min(config.max_model_len or max_positions, max_positions)
+        spec = decoder_spec(hf_config)
+        self.sliding_window = spec.kv_window
+        self.max_model_len = min(config.max_model_len or spec.max_positions, spec.max_positions)
         self.workers: WorkerGroup | None = None
         if shard is None and world_size > 1:
             check_divisible(hf_config, world_size)
@@ -105,6 +106,7 @@ class Executor:
             block_size=shape.block_size,
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
+            sliding_window=self.sliding_window,
         )
 
     def execute(self, step: ExecuteStep) -> StepResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.model_info import ModelInfo
-from pagedserve.step import BlockPairs, ExecuteStep, SeqStep, StepResult
+from pagedserve.step import BlockPairs, ExecuteStep, SeqStep, StepResult, num_freed
 
 
 class InvalidArgument(ValueError):
@@ -47,7 +47,7 @@ def validate_step(step: ExecuteStep, info: ModelInfo) -> None:
 def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
     _validate_samples(seq, name, info)
     _validate_positions(seq, name, info)
-    _check_range(seq.block_table, f"{name}.block_table", "block id", info.num_gpu_blocks)
+    _validate_table(seq, f"{name}.block_table", info)
     for field in ("new_token_ids", "prompt_token_ids", "output_token_ids"):
         _check_range(getattr(seq, field), f"{name}.{field}", "token id", info.vocab_size)
     num_history = len(seq.prompt_token_ids) + len(seq.output_token_ids)
@@ -109,9 +109,26 @@ def _validate_positions(seq: SeqStep, name: str, info: ModelInfo) -> None:
         )
 
 
-def _check_range(values: list[int], name: str, what: str, limit: int) -> None:
-    if values and (min(values) < 0 or max(values) >= limit):
-        index, value = next((i, v) for i, v in enumerate(values) if not 0 <= v < limit)
+def _validate_table(seq: SeqStep, name: str, info: ModelInfo) -> None:
+    """Every entry a kernel may read holds a block of the pool. Leading entries may be
+    NO_BLOCK (freed) only where every layer slides, and only as far as they lie wholly
+    before the window of the step's first new token, which reaches back furthest."""
+    freed = num_freed(seq.block_table)
+    first_seen = seq.num_computed_tokens - info.sliding_window + 1
+    num_outside = max(0, first_seen) // info.block_size if info.sliding_window else 0
+    if freed > num_outside:
+        raise InvalidArgument(
+            f"{name}[{freed - 1}]: freed (-1), but position {seq.num_computed_tokens} attends "
+            f"to it (sliding_window {info.sliding_window}, 0: every position)"
+        )
+    _check_range(seq.block_table, name, "block id", info.num_gpu_blocks, start=freed)
+
+
+def _check_range(values: list[int], name: str, what: str, limit: int, start: int = 0) -> None:
+    """Raise InvalidArgument naming the first of ``values[start:]`` outside [0, limit)."""
+    rest = values[start:]
+    if rest and (min(rest) < 0 or max(rest) >= limit):
+        index, value = next((i, v) for i, v in enumerate(rest, start) if not 0 <= v < limit)
         raise InvalidArgument(f"{name}[{index}]: {what} {value} outside [0, {limit})")
 
 

@@ -142,46 +142,83 @@ def paged_attention_prefill(
                    cached    new: query rows 0..2, row i sees positions <= 7 - 3 + i
 
     On CPU the cache is read in place; a float32 query may read a 16-bit cache. On GPU (no CUDA
-    prefill kernel yet) sequences are padded to one batch with two index ops (context, queries)
-    and one attention call, in the cache's dtype; the padded rows are dropped again at the end.
+    prefill kernel yet) see ``prefill_by_gather``.
     """
-    group = _group_size(query, key_cache)
+    _group_size(query, key_cache)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    if not query.is_cuda:
-        return cpu_extension().paged_attention(
+    if query.is_cuda:
+        return prefill_by_gather(
             query,
             key_cache,
             value_cache,
             block_tables,
-            context_lens,
             query_start_loc,
+            context_lens,
             scale,
             sliding_window,
         )
+    return cpu_extension().paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+    )
+
+
+def prefill_by_gather(
+    query: Tensor,  # [num_tokens, num_heads, head_dim], sequences concatenated
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative offsets into query
+    context_lens: Tensor,  # [num_seqs] int32, cached prefix + new tokens
+    scale: float,
+    sliding_window: int = 0,
+) -> Tensor:  # [num_tokens, num_heads, head_dim]
+    """``paged_attention_prefill`` with torch ops on any device (the GPU's path): sequences
+    padded to one batch with two index ops (context, queries) and one attention call, in the
+    cache's dtype; the padded rows are dropped again at the end. Each sequence's context is
+    gathered from the block its first new token's window starts in, so entries before it
+    (-1 once the scheduler freed them) are never read.
+    """
+    group = _group_size(query, key_cache)
     num_heads, head_dim = query.shape[1:]
     num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
     dtype, query = query.dtype, query.to(key_cache.dtype)
-    keys, values = _gather_context(key_cache, value_cache, block_tables, context_lens)
     starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - starts
+    first_pos = context_lens.long() - q_lens  # [num_seqs], each sequence's first new token
+    keys, values, positions = _gather_context(
+        key_cache, value_cache, block_tables, context_lens, _window_start(first_pos, sliding_window)
+    )
     max_q = int(q_lens.max())
     rows = torch.arange(max_q, device=query.device)
     valid = rows < q_lens[:, None]  # [num_seqs, max_q]
     q = query.index_select(0, torch.where(valid, starts[:, None] + rows, 0).flatten())
     q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
-    q_pos = (context_lens[:, None] - q_lens[:, None] + rows)[:, :, None]  # [num_seqs, max_q, 1]
-    positions = torch.arange(keys.shape[2], device=query.device)
+    q_pos = (first_pos[:, None] + rows)[:, :, None]  # [num_seqs, max_q, 1]
     # Padded rows attend everywhere so that they stay finite; they are dropped below.
-    allowed = positions <= q_pos
+    allowed = positions[:, None, :] <= q_pos
     if sliding_window > 0:
-        allowed &= positions > q_pos - sliding_window
+        allowed &= positions[:, None, :] > q_pos - sliding_window
     allowed |= ~valid[:, :, None]  # [num_seqs, max_q, max_ctx]
     mask = allowed[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, max_q, num_heads, head_dim)[valid].to(dtype)
+
+
+def _window_start(position: Tensor, sliding_window: int) -> Tensor:
+    """The first position a token at ``position`` sees."""
+    if sliding_window == 0:
+        return torch.zeros_like(position)
+    return (position - sliding_window + 1).clamp(min=0)
 
 
 def copy_blocks(
@@ -238,14 +275,31 @@ def _gather_context(
     value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
     context_lens: Tensor,  # [num_seqs] int32
-) -> tuple[Tensor, Tensor]:  # 2 x [num_seqs, num_kv_heads, max_ctx, head_dim]
-    """Each sequence's first blocks laid out contiguously (one index op per cache), padded."""
-    num_seqs, block_size = block_tables.shape[0], key_cache.shape[1]
-    num_blocks = -(-int(context_lens.max()) // block_size)
-    ids = block_tables[:, :num_blocks].flatten().long()
+    first_seen: Tensor,  # [num_seqs] int64, the earliest position a new token sees
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each sequence's blocks from the one holding ``first_seen`` to its last, laid out
+    contiguously (one index op per cache) and padded with block 0; and the position of each
+    gathered row.
+
+        table:     [ -1 | -1 | b2 | b3 | b4 ]     first_seen in b2
+        gathered:  [ b2 | b3 | b4 | 0 (pad) ]     positions 2B .. 6B-1
+
+    Returns keys and values as 2 x [num_seqs, num_kv_heads, max_ctx, head_dim], and
+    positions as [num_seqs, max_ctx] int64.
+    """
+    block_size = key_cache.shape[1]
+    num_seqs, width = block_tables.shape
+    first_block = first_seen // block_size
+    end_block = (context_lens.long() + block_size - 1) // block_size
+    num_blocks = int((end_block - first_block).max())
+    cols = first_block[:, None] + torch.arange(num_blocks, device=block_tables.device)
+    ids = block_tables.gather(1, cols.clamp(max=width - 1)).long()
+    ids = torch.where(cols < end_block[:, None], ids, 0).flatten()
     # index_select rather than cache[ids]: the quicker gather of whole blocks on CPU
     keys, values = (
         cache.index_select(0, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
         for cache in (key_cache, value_cache)
     )
-    return keys.transpose(1, 2), values.transpose(1, 2)
+    offsets = torch.arange(num_blocks * block_size, device=block_tables.device)
+    positions = first_block[:, None] * block_size + offsets
+    return keys.transpose(1, 2), values.transpose(1, 2), positions

@@ -26,11 +26,17 @@ def reshape_and_cache(
 def _context(
     cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: list[int],
+    first: int,
     context_len: int,
-) -> Tensor:  # [context_len, num_kv_heads, head_dim] float64
-    """Positions 0..context_len-1 of one sequence, read token by token through its block table."""
+) -> Tensor:  # [context_len - first, num_kv_heads, head_dim] float64
+    """Positions first..context_len-1 of one sequence, read token by token through its block
+    table (entries before them may be -1: freed)."""
     block_size = cache.shape[1]
-    rows = [cache[block_table[pos // block_size], pos % block_size] for pos in range(context_len)]
+    rows = []
+    for pos in range(first, context_len):
+        block_id = block_table[pos // block_size]
+        assert block_id >= 0, f"position {pos} is read but its block was freed"
+        rows.append(cache[block_id, pos % block_size])
     return torch.stack(rows).double()
 
 
@@ -68,8 +74,8 @@ def paged_attention_decode(
         zip(block_tables.tolist(), context_lens.tolist(), strict=True)
     ):
         first = _window_start(context_len - 1, sliding_window)
-        keys = _context(key_cache, table, context_len)[first:]
-        values = _context(value_cache, table, context_len)[first:]
+        keys = _context(key_cache, table, first, context_len)
+        values = _context(value_cache, table, first, context_len)
         out[seq] = _attend(query[seq], keys, values, scale).to(query.dtype)
     return out
 
@@ -91,14 +97,18 @@ def paged_attention_prefill(
     for seq, (table, context_len) in enumerate(
         zip(block_tables.tolist(), context_lens.tolist(), strict=True)
     ):
-        keys = _context(key_cache, table, context_len)
-        values = _context(value_cache, table, context_len)
         q_len = starts[seq + 1] - starts[seq]
+        if q_len == 0:
+            continue
+        base = _window_start(context_len - q_len, sliding_window)  # what the first token sees
+        keys = _context(key_cache, table, base, context_len)
+        values = _context(value_cache, table, base, context_len)
         for i in range(q_len):
             pos = context_len - q_len + i
             token = starts[seq] + i
-            first = _window_start(pos, sliding_window)
-            attended = _attend(query[token], keys[first : pos + 1], values[first : pos + 1], scale)
+            first = _window_start(pos, sliding_window) - base
+            seen = slice(first, pos + 1 - base)
+            attended = _attend(query[token], keys[seen], values[seen], scale)
             out[token] = attended.to(query.dtype)
     return out
 

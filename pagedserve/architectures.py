@@ -26,6 +26,13 @@ class DecoderSpec:
     final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
     max_positions: int = 0  # positions at which our rope tables equal transformers'
 
+    @property
+    def kv_window(self) -> int:
+        """The widest window when every layer slides: K/V wholly before it is read by no
+        layer, so its blocks can go back to the pool. 0 when a layer sees all positions."""
+        windows = self.sliding_windows
+        return max(windows) if windows and min(windows) > 0 else 0
+
 
 def decoder_spec(config: Any) -> DecoderSpec:
     """What ``config`` asks of the decoder; raises ValueError naming a field we do not serve."""

@@ -16,6 +16,9 @@ class ModelInfo:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    # Positions back from a token that some layer still attends to (the widest window) when
+    # every layer slides; 0 when a layer attends to the whole context.
+    sliding_window: int = 0
     # Random per executor process start; a new value means the pools were lost.
     # Empty for an in-process executor, which cannot restart under its scheduler.
     instance_id: str = ""

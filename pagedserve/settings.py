@@ -41,8 +41,17 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse computed blocks of identical prompt prefixes")
     )
+    sliding_window: int = field(
+        default=0,
+        metadata=_help(
+            "positions every layer attends back from a token, when all slide; blocks wholly "
+            "before it go back to the pool (0: keep every block)"
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.num_gpu_blocks < 1 or self.num_cpu_blocks < 0:
@@ -135,6 +144,13 @@ class EngineOptions:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse computed blocks of identical prompt prefixes")
     )
+    free_outside_window: bool = field(
+        default=True,
+        metadata=_help(
+            "when every layer of the model attends to a sliding window, return the KV blocks "
+            "that lie wholly before it to the pool while the sequence runs"
+        ),
+    )
 
     def configs(self, info: ModelInfo) -> tuple[CacheConfig, SchedulerConfig]:
         """The engine's configuration for an executor that answered ``info``."""
@@ -143,6 +159,7 @@ class EngineOptions:
             num_gpu_blocks=info.num_gpu_blocks,
             num_cpu_blocks=info.num_cpu_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            sliding_window=info.sliding_window if self.free_outside_window else 0,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

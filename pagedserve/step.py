@@ -9,6 +9,19 @@ from pagedserve.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]
 
+# A block-table entry whose block went back to the pool: it lies wholly before the sliding
+# window of every position still to be computed, so no kernel reads it (the scheduler frees
+# such blocks only when every layer of the model slides; see BlockManager).
+NO_BLOCK = -1
+
+
+def num_freed(block_table: list[int]) -> int:
+    """Leading entries of ``block_table`` that are ``NO_BLOCK``."""
+    count = 0
+    while count < len(block_table) and block_table[count] == NO_BLOCK:
+        count += 1
+    return count
+
 
 @dataclass(slots=True)
 class SeqStep:

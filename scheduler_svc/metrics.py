@@ -32,6 +32,7 @@ class EngineSample:
     prefix_queries: int
     prefix_hits: int
     cow_copies: int
+    window_freed: int
     swapped_in: int
     swapped_out: int
 
@@ -62,6 +63,7 @@ def sample_engine(engine: LLMEngine, now: float, last: EngineSample | None) -> E
         prefix_queries=counters.prefix_cache_queries,
         prefix_hits=counters.prefix_cache_hits,
         cow_copies=counters.cow_copies,
+        window_freed=counters.window_freed_blocks,
         swapped_in=counters.swapped_in_blocks,
         swapped_out=counters.swapped_out_blocks,
     )
@@ -113,6 +115,10 @@ class SchedulerMetrics:
         )
         self.prefix_hits = counter("prefix_cache_hits", "prompt tokens found already computed")
         self.cow_copies = counter("cow_copies", "copy-on-write block copies")
+        self.window_freed = counter(
+            "kv_blocks_freed_outside_window",
+            "blocks returned to the pool once wholly before a sliding window",
+        )
         self.swapped_blocks = counter(
             "swapped_blocks", "blocks moved between the pools", ("direction",)
         )
@@ -220,6 +226,7 @@ class SchedulerMetrics:
         grow(self.prefix_queries, "prefix_queries")
         grow(self.prefix_hits, "prefix_hits")
         grow(self.cow_copies, "cow_copies")
+        grow(self.window_freed, "window_freed")
         grow(self.swapped_blocks.labels("in"), "swapped_in")
         grow(self.swapped_blocks.labels("out"), "swapped_out")
 

@@ -58,6 +58,14 @@ def test_the_engine_config_follows_the_executor_and_the_options() -> None:
     assert whole.configs(INFO)[1].max_num_batched_tokens == 16384
     short = dataclasses.replace(INFO, max_model_len=2048)
     assert whole.configs(short)[1].max_num_batched_tokens == 8192
+
+
+def test_the_window_reaches_the_block_manager_unless_freeing_is_off() -> None:
+    sliding = dataclasses.replace(INFO, sliding_window=512)
+    assert EngineOptions().configs(sliding)[0].sliding_window == 512
+    assert EngineOptions(free_outside_window=False).configs(sliding)[0].sliding_window == 0
+    args = build_parser().parse_args(["serve", "--no-free-outside-window"])
+    assert not from_args(SchedulerOptions, args).engine.free_outside_window
     with pytest.raises(ValueError, match="without chunked prefill"):
         SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False)
 

@@ -9,7 +9,8 @@
 //   warp owning the block:          w0       w1       w2       w3       w0     ...
 //
 // Pass 1: logits = scale * q.K for the partition (8 lanes per token, 4 tokens per warp step);
-// -inf before a sliding window (a partition wholly before it ends with sum 0, weight 0).
+// -inf before a sliding window (a partition wholly before it ends with sum 0, weight 0). Blocks
+// wholly before the window are not read in either pass: their table entries may be -1 (freed).
 // Softmax: one warp per query head, over shared memory.
 // Pass 2: out = softmax . V (a lane owns head_dim / 32 output dims of up to 8 query heads).
 // With one partition (v1) the block writes the output; with several (v2, long contexts) it
@@ -84,10 +85,11 @@ __device__ __forceinline__ float warp_sum(float x) {
 __host__ __device__ __forceinline__ int div_up(int a, int b) { return (a + b - 1) / b; }
 
 // Pass 1: logits[h][t - start] = q_h . k_t for the partition's tokens [start, end); -inf for
-// tokens before window_start.
+// tokens before window_start. Blocks are read from `first` on (the partition's first block
+// that the window reaches); the tokens before it get -inf unread.
 template <typename T, int HEAD_DIM>
 __device__ void compute_logits(const PagedAttentionParams& p, const float* q_s, float* logits,
-                               int kv_head, const int32_t* table, int start, int end,
+                               int kv_head, const int32_t* table, int start, int first, int end,
                                int window_start) {
   constexpr int kVec = 16 / sizeof(T);                          // elements per 16-byte load
   constexpr int kChunks = HEAD_DIM / (kVec * kLanesPerToken);   // 16-byte loads per lane
@@ -97,8 +99,12 @@ __device__ void compute_logits(const PagedAttentionParams& p, const float* q_s, 
   const int slot_in_step = lane / kLanesPerToken, sub_lane = lane % kLanesPerToken;
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
   const T* keys = static_cast<const T*>(p.key_cache) + kv_head * HEAD_DIM;
+  const int num_unread = min(first, end) - start;
+  for (int i = threadIdx.x; i < group * num_unread; i += kAttentionThreads) {
+    logits[(i / num_unread) * p.partition_size + i % num_unread] = -INFINITY;
+  }
   const int last_block = div_up(end, p.block_size);
-  for (int b = start / p.block_size + warp; b < last_block; b += kNumWarps) {
+  for (int b = first / p.block_size + warp; b < last_block; b += kNumWarps) {
     const T* block = keys + static_cast<int64_t>(table[b]) * p.block_size * token_stride;
     for (int step = 0; step < p.block_size; step += kTokensPerStep) {
       const int offset = step + slot_in_step;
@@ -164,10 +170,12 @@ __device__ void softmax_rows(float* logits, float* head_max, float* head_sum, in
   }
 }
 
-// Pass 2 for query heads [h0, h0 + kHeadChunk): this warp's share of sum_t p[h][t] * v_t.
+// Pass 2 for query heads [h0, h0 + kHeadChunk): this warp's share of sum_t p[h][t] * v_t, over
+// the blocks from `first` on (the tokens before it have probability 0).
 template <typename T, int HEAD_DIM>
 __device__ void accumulate_values(const PagedAttentionParams& p, const float* probs, float* red,
-                                  int kv_head, const int32_t* table, int start, int end, int h0) {
+                                  int kv_head, const int32_t* table, int start, int first,
+                                  int end, int h0) {
   constexpr int kDims = HEAD_DIM / kWarpSize;
   const int group = p.num_heads / p.num_kv_heads;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -175,7 +183,7 @@ __device__ void accumulate_values(const PagedAttentionParams& p, const float* pr
   const T* values = static_cast<const T*>(p.value_cache) + kv_head * HEAD_DIM + lane * kDims;
   float acc[kHeadChunk][kDims] = {};
   const int last_block = div_up(end, p.block_size);
-  for (int b = start / p.block_size + warp; b < last_block; b += kNumWarps) {
+  for (int b = first / p.block_size + warp; b < last_block; b += kNumWarps) {
     const T* block = values + static_cast<int64_t>(table[b]) * p.block_size * token_stride;
     const int num_tokens = min(p.block_size, end - b * p.block_size);
     const float* prob = probs + (b * p.block_size - start);
@@ -225,14 +233,16 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
   __syncthreads();
   const int window_start = p.sliding_window > 0 ? max(0, context_len - p.sliding_window) : 0;
-  compute_logits<T, HEAD_DIM>(p, q_s, logits, kv_head, table, start, end, window_start);
+  // The partition's first token whose block the window reaches (partitions hold whole blocks).
+  const int first = max(start, window_start / p.block_size * p.block_size);
+  compute_logits<T, HEAD_DIM>(p, q_s, logits, kv_head, table, start, first, end, window_start);
   __syncthreads();
   softmax_rows(logits, head_max, head_sum, group, p.partition_size, end - start);
   __syncthreads();
 
   const bool single_pass = div_up(context_len, p.partition_size) == 1;
   for (int h0 = 0; h0 < group; h0 += kHeadChunk) {
-    accumulate_values<T, HEAD_DIM>(p, logits, red, kv_head, table, start, end, h0);
+    accumulate_values<T, HEAD_DIM>(p, logits, red, kv_head, table, start, first, end, h0);
     __syncthreads();
     const int num_chunk_heads = min(kHeadChunk, group - h0);
     for (int i = threadIdx.x; i < num_chunk_heads * HEAD_DIM; i += kAttentionThreads) {

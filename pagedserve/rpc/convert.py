@@ -213,6 +213,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.InitCacheResponse:
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
         num_cpu_blocks=info.num_cpu_blocks,
+        sliding_window=info.sliding_window,
         instance_id=info.instance_id,
     )
 
@@ -226,6 +227,7 @@ def model_info_from_pb(m: pb.InitCacheResponse) -> ModelInfo:
         block_size=m.block_size,
         num_gpu_blocks=m.num_gpu_blocks,
         num_cpu_blocks=m.num_cpu_blocks,
+        sliding_window=m.sliding_window,
         instance_id=m.instance_id,
     )
 

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from pagedserve.step import num_freed
 from scheduler_svc.core.block_allocator import BlockId
 from scheduler_svc.core.sequence import SequenceStatus
 from scheduler_svc.engine.engine import LLMEngine, StepOutcome
@@ -55,7 +56,7 @@ def capture_view(engine: LLMEngine, now: float) -> EngineView:
             table = bm.block_tables.get(seq.seq_id)
             if table is not None:
                 device = "cpu" if seq.status == SequenceStatus.SWAPPED else "gpu"
-                tables[device].append((owner, list(table)))
+                tables[device].append((owner, table[num_freed(table) :]))  # a copy
     queues = {
         state: (len(queue), [g.request_id for g in queue[:MAX_LISTED]])
         for state, queue in (

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from pagedserve.settings import CacheConfig
+from pagedserve.step import NO_BLOCK, num_freed
 from scheduler_svc.core.block_allocator import BlockAllocator, BlockHash, BlockId, hash_block
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -27,6 +28,7 @@ class BlockManagerCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens found computed
     cow_copies: int = 0
+    window_freed_blocks: int = 0  # table entries freed as they fell out of the window
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
 
@@ -36,6 +38,16 @@ class BlockManager:
 
     A running sequence's table holds GPU block ids, a swapped one's CPU block ids. A
     block shared by several tables (fork, prefix cache) has one reference per table.
+
+    With ``sliding_window`` W > 0 (the model's every layer attends to at most the last W
+    positions), a block that lies wholly before the window of the next position to compute
+    goes back to the pool and its entry becomes ``NO_BLOCK``; entries keep their positions:
+
+        positions:  0 .. 15 | 16 .. 31 | 32 .. 47 | 48 ..       block_size 16, W 20
+        table:      NO_BLOCK  NO_BLOCK   b2         b3          next position 52 sees 33..52
+
+    A model with any global layer (Gemma 3's) reads every position in that layer, so W is
+    0 there and nothing is freed early: pools per layer group would be needed for that.
     """
 
     @classmethod
@@ -46,6 +58,7 @@ class BlockManager:
             config.num_cpu_blocks,
             config.watermark,
             config.enable_prefix_caching,
+            config.sliding_window,
         )
 
     def __init__(
@@ -55,15 +68,19 @@ class BlockManager:
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         if block_size < 1:  # CacheConfig limits users to 8-128; the paper's figures use 4
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
         self.block_size = block_size
         self.gpu = BlockAllocator("gpu", num_gpu_blocks, enable_prefix_caching)
         self.cpu = BlockAllocator("cpu", num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.block_tables: dict[int, list[BlockId]] = {}
         self.counters = BlockManagerCounters()
@@ -76,17 +93,31 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the waiting sequences fit, keeping the watermark free. No side effects."""
+    def can_allocate(self, group: SequenceGroup, step_tokens: int | None = None) -> AllocStatus:
+        """Whether the waiting sequences fit, keeping the watermark free. With
+        ``step_tokens`` (the most positions of a sequence one step computes, its prompt going
+        in chunks) a sequence needs at most ``max_blocks_held`` blocks. No side effects."""
         required = total = 0
         reuse = not group.needs_prompt_logprobs
         for token_ids in self._distinct_prompts(group):
             hits = self._reusable_prefix(token_ids) if reuse else []
-            total += self.blocks_for(len(token_ids))
-            required += self.blocks_for(len(token_ids)) - sum(
-                self.gpu.ref_counts[b] > 0 for b in hits
-            )
+            num_blocks = self.blocks_for(len(token_ids))
+            if step_tokens is not None:
+                num_blocks = self.max_blocks_held(len(token_ids), step_tokens)
+            total += num_blocks
+            live = hits[self._num_outside_window(len(hits) * self.block_size) :]
+            required += num_blocks - sum(self.gpu.ref_counts[b] > 0 for b in live)
         return self._admission(total, required)
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once when no step computes
+        more than ``step_tokens`` of its positions: all of them, or under a sliding window
+        those covering the window of a step's first position and the step's own (a span of
+        W - 1 + step_tokens positions, one block more for where it starts)."""
+        every = self.blocks_for(num_tokens)
+        if self.sliding_window == 0:
+            return every
+        return min(every, self.blocks_for(self.sliding_window - 1 + step_tokens) + 1)
 
     def _admission(self, total: int, required: int) -> AllocStatus:
         """NEVER when ``total`` blocks exceed the pool less the watermark; OK when taking
@@ -117,7 +148,7 @@ class BlockManager:
             token_ids = seq.get_token_ids()
             key = tuple(token_ids)
             if key in tables:
-                for block_id in tables[key][0]:
+                for block_id in _held(tables[key][0]):
                     self.gpu.incref(block_id)
             else:
                 tables[key] = self._allocate_table(token_ids, max_new_tokens, reuse)
@@ -133,20 +164,23 @@ class BlockManager:
     ) -> tuple[list[BlockId], int, int, list[BlockHash]]:
         """A new table for these tokens, how many leading tokens it found computed (none
         unless ``reuse``), how many slots it maps, and the hashes of the full blocks among
-        them."""
+        them. Cached blocks wholly before the window of the first position to compute are
+        not taken: their entries are NO_BLOCK from the start."""
         hits = self._reusable_prefix(token_ids) if reuse else []
-        for block_id in hits:
-            self.gpu.incref(block_id)
         num_hit_tokens = len(hits) * self.block_size
+        num_outside = self._num_outside_window(num_hit_tokens)
+        for block_id in hits[num_outside:]:
+            self.gpu.incref(block_id)
         num_slots = len(token_ids)
         if max_new_tokens is not None:
             num_slots = min(num_slots, num_hit_tokens + max_new_tokens)
-        table = list(hits)
+        table = [NO_BLOCK] * num_outside + hits[num_outside:]
+        self.counters.window_freed_blocks += num_outside
         for _ in range(self.blocks_for(num_slots) - len(hits)):
-            table.append(self.gpu.allocate(after=table[-1] if table else None))
+            table.append(self.gpu.allocate(after=_before(table, len(table))))
         # Only blocks this step fills are published: a later chunk's are not computed yet.
         hashes = self._chain_hashes(token_ids[:num_slots])
-        for index, block_hash in enumerate(hashes):
+        for index, block_hash in enumerate(hashes[num_outside:], num_outside):
             self.gpu.register(table[index], block_hash, self._block_tokens(token_ids, index))
         if self.enable_prefix_caching and reuse:
             self.counters.prefix_cache_queries += len(token_ids)
@@ -186,21 +220,48 @@ class BlockManager:
         return self._map(seq, seq.get_len() + lookahead)
 
     def _map(self, seq: Sequence, target: int) -> tuple[BlockId, BlockId] | None:
-        """Map slots up to ``target``; returns the copy on write it needed, if any."""
+        """Map slots up to ``target``, first freeing what fell out of the window; returns
+        the copy on write it needed, if any."""
+        self._free_outside_window(seq)
         table = self.block_tables[seq.seq_id]
         num_slots = self._num_slots[seq.seq_id]
         copy = None
         if self._writes_shared_tail(seq, target):
             last = table[-1]
-            table[-1] = self.gpu.allocate(after=table[-2] if len(table) > 1 else None)
+            table[-1] = self.gpu.allocate(after=_before(table, len(table) - 1))
             self.gpu.free(last)
             self.counters.cow_copies += 1
             copy = (last, table[-1])
         while len(table) < self.blocks_for(target):
-            table.append(self.gpu.allocate(after=table[-1] if table else None))
+            table.append(self.gpu.allocate(after=_before(table, len(table))))
         self._num_slots[seq.seq_id] = max(num_slots, target)
         self._register_full_blocks(seq, len(self._hashes[seq.seq_id]))
         return copy
+
+    def _free_outside_window(self, seq: Sequence) -> None:
+        """Give back the blocks wholly before the window of the sequence's next position
+        to compute (``num_computed_tokens``): no query of this step or a later one reads
+        them, a later prompt chunk's included. Only for a running sequence (GPU table).
+
+            positions:   [ block i ][ block i+1 ] ... next position p
+            window of p:              p - W + 1 ......... p
+            freed:       block i, since (i + 1) * block_size <= p - W + 1
+        """
+        table = self.block_tables[seq.seq_id]
+        # Freed entries are a leading run: walk back from the last one now outside.
+        for index in reversed(range(self._num_outside_window(seq.num_computed_tokens))):
+            if table[index] == NO_BLOCK:
+                break
+            self.gpu.free(table[index])
+            table[index] = NO_BLOCK
+            self.counters.window_freed_blocks += 1
+
+    def _num_outside_window(self, position: int) -> int:
+        """Leading blocks wholly before the window of ``position``: no layer reads them
+        from there on (0 without a window)."""
+        if self.sliding_window == 0:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
 
     def unmap_ahead(self, seq: Sequence) -> None:
         """Give back the slots mapped for decode steps in a row that did not run (the call
@@ -231,7 +292,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the child the parent's table; every block gains a reference."""
         table = self.block_tables[parent.seq_id]
-        for block_id in table:
+        for block_id in _held(table):
             self._pool_of(parent).incref(block_id)
         self.block_tables[child.seq_id] = list(table)
         self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
@@ -243,7 +304,7 @@ class BlockManager:
         if table is None:
             return
         pool = self._pool_of(seq)
-        for block_id in table:
+        for block_id in _held(table):
             pool.free(block_id)
         del self._num_slots[seq.seq_id]
         del self._hashes[seq.seq_id]
@@ -259,7 +320,7 @@ class BlockManager:
         """Re-create a persisted table after a restart; reference counts are derived
         from the tables, never loaded. Mutates the pool the table lives in."""
         pool = self.cpu if on_cpu else self.gpu
-        for block_id in block_table:
+        for block_id in _held(block_table):
             pool.claim(block_id)
         self.block_tables[seq.seq_id] = list(block_table)
         self._num_slots[seq.seq_id] = num_slots
@@ -268,6 +329,15 @@ class BlockManager:
             self._swapped.add(seq.seq_id)
         else:
             self._register_full_blocks(seq, 0)
+
+    def fits_pool(self, block_table: list[BlockId], on_cpu: bool) -> bool:
+        """Whether a persisted table can be restored: ids inside its pool, and ``NO_BLOCK``
+        only as a leading run under a sliding window. No side effects."""
+        num_blocks = (self.cpu if on_cpu else self.gpu).num_blocks
+        held = _held(block_table)
+        if len(held) < len(block_table) and self.sliding_window == 0:
+            return False
+        return all(0 <= b < num_blocks for b in held)
 
     def forget_cached(self) -> None:
         """Drop the prefix cache: the K/V it pointed at is gone with the executor."""
@@ -315,10 +385,12 @@ class BlockManager:
         for seq in group.get_seqs(status):
             table = self.block_tables[seq.seq_id]
             for index, block_id in enumerate(table):
+                if block_id == NO_BLOCK:
+                    continue
                 if block_id in moved:
                     dst.incref(moved[block_id])
                 else:
-                    moved[block_id] = dst.allocate(after=table[index - 1] if index else None)
+                    moved[block_id] = dst.allocate(after=_before(table, index))
                 src.free(block_id)
                 table[index] = moved[block_id]
         return list(moved.items())
@@ -337,6 +409,8 @@ class BlockManager:
                 continue
             num_slots = self._num_slots[seq_id]
             for index, block_id in enumerate(table):
+                if block_id == NO_BLOCK:
+                    continue
                 used = min(self.block_size, num_slots - index * self.block_size)
                 filled[block_id] = max(filled.get(block_id, 0), used)
         if not filled:
@@ -350,7 +424,11 @@ class BlockManager:
         expected = {"gpu": [0] * self.gpu.num_blocks, "cpu": [0] * self.cpu.num_blocks}
         for seq_id, table in self.block_tables.items():
             assert len(table) == self.blocks_for(self._num_slots[seq_id]), f"seq {seq_id} table"
-            for block_id in table:
+            held = _held(table)
+            num_freed = len(table) - len(held)
+            assert NO_BLOCK not in held, f"seq {seq_id}: freed entries after held ones"
+            assert self.sliding_window or not num_freed, f"seq {seq_id}: freed without window"
+            for block_id in held:
                 expected["cpu" if seq_id in self._swapped else "gpu"][block_id] += 1
         assert expected["gpu"] == self.gpu.ref_counts, "gpu ref_counts differ from the tables"
         assert expected["cpu"] == self.cpu.ref_counts, "cpu ref_counts differ from the tables"
@@ -361,7 +439,7 @@ class BlockManager:
         return self.cpu if seq.seq_id in self._swapped else self.gpu
 
     def _group_blocks(self, group: SequenceGroup, status: SequenceStatus) -> set[BlockId]:
-        return {b for seq in group.get_seqs(status) for b in self.block_tables[seq.seq_id]}
+        return {b for seq in group.get_seqs(status) for b in _held(self.block_tables[seq.seq_id])}
 
     def _block_tokens(self, token_ids: list[int], index: int) -> list[int]:
         return token_ids[index * self.block_size : (index + 1) * self.block_size]
@@ -412,4 +490,15 @@ class BlockManager:
             hashes.extend(self._chain_hashes(token_ids, len(hashes), parent))
         table = self.block_tables[seq.seq_id]
         for index in range(start, num_full):
-            self.gpu.register(table[index], hashes[index], self._block_tokens(token_ids, index))
+            if table[index] != NO_BLOCK:
+                self.gpu.register(table[index], hashes[index], self._block_tokens(token_ids, index))
+
+
+def _held(table: list[BlockId]) -> list[BlockId]:
+    """The entries that hold a block: all but the leading run freed outside the window."""
+    return table[num_freed(table) :]
+
+
+def _before(table: list[BlockId], index: int) -> BlockId | None:
+    """The block that entry ``index`` should follow physically, if the entry before holds one."""
+    return table[index - 1] if index > 0 and table[index - 1] != NO_BLOCK else None

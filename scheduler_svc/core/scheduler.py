@@ -192,7 +192,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         while self.waiting:
             group = self.waiting[0]
-            status = self.block_manager.can_allocate(group)
+            in_chunks = chunked and group.num_seqs(SequenceStatus.WAITING) == 1
+            status = self.block_manager.can_allocate(group, self._step_tokens(in_chunks))
             if status == AllocStatus.NEVER:
                 self.waiting.pop(0)
                 for seq in group.seqs:
@@ -200,7 +201,6 @@ class Scheduler:
                 out.ignored.append(group)
                 continue
             budget = self.config.max_num_batched_tokens - out.num_batched_tokens
-            in_chunks = chunked and group.num_seqs(SequenceStatus.WAITING) == 1
             num_tokens = sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
             if in_chunks:
                 fits = budget > 0
@@ -289,6 +289,13 @@ class Scheduler:
         group.num_preemptions += 1
         out.preempted.append((group, mode))
 
+    def _step_tokens(self, in_chunks: bool) -> int | None:
+        """The most positions of one sequence a step computes when its prompt goes in
+        chunks (a chunk, or decode steps in a row); None when it may go whole."""
+        if not in_chunks:
+            return None
+        return max(self.config.max_num_batched_tokens, self.config.num_decode_steps)
+
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
 
@@ -303,8 +310,13 @@ class Scheduler:
                 f"exceeds the maximum model length {self.config.max_model_len}"
             )
         bm = self.block_manager
-        if params.width == 1:
-            worst = bm.blocks_for(total)
+        if params.width == 1:  # with a sliding window: what its window and a step hold
+            step_tokens = self._step_tokens(self.config.enable_chunked_prefill)
+            worst = (
+                bm.blocks_for(total)
+                if step_tokens is None
+                else bm.max_blocks_held(total, step_tokens)
+            )
         else:  # shared prompt blocks, then a private tail per sequence (its CoW copy included)
             tail = bm.blocks_for(params.max_tokens) + 1
             worst = bm.blocks_for(prompt_len) + params.width * tail

@@ -235,11 +235,10 @@ def _restore_group(scheduler: Scheduler, r: RestoredGroup, kv_lost: bool) -> Non
         reset_for_recompute(r.group)
         r.queue = "waiting"
     else:
-        pool = bm.cpu if r.queue == "swapped" else bm.gpu
         claimed = [seq for seq in r.group.seqs if seq.seq_id in r.block_tables]
         for seq in claimed:
             table, _ = r.block_tables[seq.seq_id]
-            if seq.seq_id in bm.block_tables or not all(0 <= b < pool.num_blocks for b in table):
+            if seq.seq_id in bm.block_tables or not bm.fits_pool(table, r.queue == "swapped"):
                 raise ValueError(f"sequence {seq.seq_id}: table {table} does not fit the pool")
         for seq in claimed:
             table, num_slots = r.block_tables[seq.seq_id]

@@ -15,7 +15,7 @@ import orjson
 
 from pagedserve.grammar import Grammar
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockPairs, ExecuteStep, PromptLogprob
+from pagedserve.step import NO_BLOCK, BlockPairs, ExecuteStep, PromptLogprob, num_freed
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 SCHEMA_VERSION = 1
@@ -147,35 +147,37 @@ def group_delta(
 ) -> str | None:
     """One JSON line taking the stored group from ``mark`` to its state now, or None when
     the change is not an append (a sequence came or went, text was cut at a stop string,
-    blocks were freed or moved): then the caller writes a snapshot."""
+    blocks were freed or moved): then the caller writes a snapshot. Leading entries freed
+    outside a sliding window count as an append: the line then ends with their number."""
     if tuple(seq.seq_id for seq in group.seqs) != mark.seq_ids:
         return None
     seqs = []
     for i, seq in enumerate(group.seqs):
         table, num_slots = tables.get(seq.seq_id, ([], 0))
         old_table, start = mark.tables[i], mark.num_outputs[i]
+        freed = num_freed(table)
         if (
             len(seq.output_token_ids) < start
-            or table[: len(old_table)] != old_table
+            or freed > len(old_table)
+            or table[freed : len(old_table)] != old_table[freed:]
             or not seq.output_text.startswith(mark.texts[i])
         ):
             return None
-        seqs.append(
-            [
-                seq.seq_id,
-                int(seq.status),
-                seq.num_computed_tokens,
-                seq.cumulative_logprob,
-                seq.prefix_offset,
-                seq.read_offset,
-                seq.output_token_ids[start:],
-                seq.output_logprobs[start:],
-                [list(top.items()) for top in seq.output_top_logprobs[mark.num_tops[i] :]],
-                seq.output_text[len(mark.texts[i]) :],
-                table[len(old_table) :],
-                num_slots,
-            ]
-        )
+        entry = [
+            seq.seq_id,
+            int(seq.status),
+            seq.num_computed_tokens,
+            seq.cumulative_logprob,
+            seq.prefix_offset,
+            seq.read_offset,
+            seq.output_token_ids[start:],
+            seq.output_logprobs[start:],
+            [list(top.items()) for top in seq.output_top_logprobs[mark.num_tops[i] :]],
+            seq.output_text[len(mark.texts[i]) :],
+            table[len(old_table) :],
+            num_slots,
+        ]
+        seqs.append([*entry, freed] if freed else entry)
     delta = {"queue": queue, "num_preemptions": group.num_preemptions, "seqs": seqs}
     if len(group.prompt_logprobs) > mark.num_prompt_logprobs:
         scored = group.prompt_logprobs[mark.num_prompt_logprobs :]
@@ -189,7 +191,10 @@ def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
     restored.group.prompt_logprobs += prompt_logprobs_from_list(delta.get("prompt_logprobs", []))
     by_id = {seq.seq_id: seq for seq in restored.group.seqs}
     for entry in delta["seqs"]:  # the fields in group_delta's order
-        seq_id, status, computed, cum, prefix, read, ids, lps, tops, text, blocks, slots = entry
+        seq_id, status, computed, cum, prefix, read, ids, lps, tops, text, blocks, slots, *rest = (
+            entry
+        )
+        freed = rest[0] if rest else 0  # written only once entries were freed
         seq = by_id[seq_id]
         seq.status = SequenceStatus(status)
         seq.num_computed_tokens = computed
@@ -201,7 +206,8 @@ def _apply_delta(restored: RestoredGroup, delta: dict[str, Any]) -> None:
         seq.output_text += text
         if blocks or seq_id in restored.block_tables:
             table = restored.block_tables.get(seq_id, ([], 0))[0]
-            restored.block_tables[seq_id] = (table + blocks, slots)
+            table = [NO_BLOCK] * freed + table[freed:] + blocks
+            restored.block_tables[seq_id] = (table, slots)
 
 
 @dataclasses.dataclass(slots=True)

@@ -141,11 +141,15 @@ def test_greedy_matches_hf(case) -> None:
 
 
 def test_greedy_matches_hf_in_chunks_under_preemption(case) -> None:
+    from transformers import AutoConfig
+
     model_dir, reference = case
+    # Where every layer slides a sequence holds about a window's blocks: a smaller pool.
+    sliding = decoder_spec(AutoConfig.from_pretrained(model_dir)).kv_window > 0
     ours, llm = run_ours(
         model_dir,
         PROMPTS,
-        num_gpu_blocks=20,
+        num_gpu_blocks=9 if sliding else 20,
         swap_space=0.05,
         preemption_mode=PreemptionMode.RECOMPUTE,
         max_num_batched_tokens=32,
@@ -186,6 +190,23 @@ def test_unsupported_configs_are_refused_naming_the_field(config_class, override
     config = getattr(transformers, config_class)(**(SHAPE | overrides))
     with pytest.raises(ValueError, match=message):
         decoder_spec(config)
+
+
+@pytest.mark.parametrize(
+    ("name", "window"),
+    [
+        ("mistral-sliding-window", 24),
+        ("qwen2-sliding-window", 0),  # layer 0 below max_window_layers attends to everything
+        ("gemma3", 0),  # global layers
+        ("qwen2", 0),
+    ],
+)
+def test_blocks_are_freed_outside_the_window_only_when_every_layer_slides(name, window) -> None:
+    import transformers
+
+    config_class, overrides = CASES[name]
+    config = getattr(transformers, config_class)(**(SHAPE | overrides))
+    assert decoder_spec(config).kv_window == window
 
 
 def test_longrope_is_served_up_to_its_original_length() -> None:

@@ -64,3 +64,18 @@ def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> Tenso
 def as_bytes(t: Tensor) -> Tensor:
     """The raw bytes of a contiguous tensor, for exact comparison regardless of NaNs."""
     return t.contiguous().view(torch.uint8)
+
+
+def free_outside_window(
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    first_positions: list[int],
+    block_size: int,
+    window: int,
+) -> Tensor:  # a copy, freed entries -1
+    """The tables as the scheduler leaves them under a sliding window: each sequence's
+    entries wholly before the window of its first new token, at ``first_positions``, are -1
+    (what a kernel must never read)."""
+    tables = block_tables.clone()
+    for seq, first in enumerate(first_positions):
+        tables[seq, : max(0, first - window + 1) // block_size] = -1
+    return tables

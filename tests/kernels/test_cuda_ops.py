@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ops, reference
-from tests.kernels.cases import PagedKV, as_bytes, make_paged_kv, random_bytes
+from tests.kernels.cases import PagedKV, as_bytes, free_outside_window, make_paged_kv, random_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -168,17 +168,21 @@ def test_swap_blocks_between_devices(direction: str) -> None:
 
 @pytest.mark.parametrize("window", [7, 16, 600])
 def test_sliding_window_on_cuda_matches_reference(ext: ModuleType, window: int) -> None:
-    """Decode in one pass and in partitions wholly before the window; prefill's mask."""
+    """Decode in one pass and in partitions wholly before the window; prefill's mask. The
+    entries wholly before each first new token's window are -1, as the scheduler leaves
+    them: neither pass reads them."""
     kv = make_paged_kv([5, 300, 4096], 16, NUM_KV_HEADS, 128, device=DEVICE, seed=9)
     query = _query(3, 8, 128, torch.float32)
-    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens)
+    tables = free_outside_window(kv.block_tables, [4, 299, 4095], 16, window)
+    args = (query, kv.key_cache, kv.value_cache, tables, kv.context_lens)
     expected = reference.paged_attention_decode(*(t.cpu() for t in args), 0.1, window)
     for partition_size in (0, 64, 4096):
         out = ext.paged_attention_decode(*args, 0.1, partition_size, window)
         torch.testing.assert_close(out.cpu(), expected, **TOL[torch.float32])
     # whole prompts of 5 and 300 tokens, 17 new tokens after 4079 cached ones
+    tables = free_outside_window(kv.block_tables, [0, 0, 4079], 16, window)
     starts = torch.tensor([0, 5, 305, 322], dtype=torch.int32, device=DEVICE)
-    prefill_args = (_query(322, 8, 128, torch.float32), *args[1:4], starts, kv.context_lens)
+    prefill_args = (_query(322, 8, 128, torch.float32), *args[1:3], tables, starts, kv.context_lens)
     out = ops.paged_attention_prefill(*prefill_args, 0.1, window)
     expected = reference.paged_attention_prefill(*(t.cpu() for t in prefill_args), 0.1, window)
     torch.testing.assert_close(out.cpu(), expected, **TOL[torch.float32])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ops, reference
-from tests.kernels.cases import as_bytes, make_paged_kv, random_bytes
+from tests.kernels.cases import as_bytes, free_outside_window, make_paged_kv, random_bytes
 
 NUM_KV_HEADS = 2
 TOL = {
@@ -142,6 +142,47 @@ def test_sliding_window_matches_reference(window: int) -> None:
         out = ops.paged_attention_decode(*args, 0.125, sliding_window=window)
         expected = reference.paged_attention_decode(*args, 0.125, sliding_window=window)
         torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("window", [1, 16, 40])
+def test_sliding_window_skips_freed_blocks(window: int) -> None:
+    """Entries wholly before each first new token's window are -1 (freed by the scheduler):
+    decode, prefill and the GPU's gather path never read them and answer as before."""
+    seqs = [(1, 1), (300, 9), (200, 130), (1000, 64), (37, 0)]
+    query, key_cache, value_cache, tables, starts, context_lens = _prefill_inputs(
+        seqs, 16, 64, 3, torch.float32
+    )
+    freed = free_outside_window(tables, [c - q for c, q in seqs], 16, window)
+    assert (freed == -1).any()
+    kept = (query, key_cache, value_cache, tables, starts, context_lens)
+    args = (query, key_cache, value_cache, freed, starts, context_lens)
+    expected = ops.paged_attention_prefill(*kept, 0.125, sliding_window=window)
+    for prefill in (
+        ops.paged_attention_prefill,
+        ops.prefill_by_gather,
+        reference.paged_attention_prefill,
+    ):
+        out = prefill(*args, 0.125, sliding_window=window)
+        torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    context_lens = [4096, 3, 130, 2001]
+    query, key_cache, value_cache, tables, lens = _decode_inputs(
+        context_lens, 16, 64, 3, torch.float32
+    )
+    freed = free_outside_window(tables, [n - 1 for n in context_lens], 16, window)
+    expected = ops.paged_attention_decode(
+        query, key_cache, value_cache, tables, lens, 0.125, window
+    )
+    for decode in (ops.paged_attention_decode, reference.paged_attention_decode):
+        out = decode(query, key_cache, value_cache, freed, lens, 0.125, window)
+        torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_freed_block_inside_the_window_is_refused() -> None:
+    """A -1 the window reaches is a bad table: the CPU kernel says so instead of reading."""
+    query, key_cache, value_cache, tables, lens = _decode_inputs([100], 16, 64, 3, torch.float32)
+    tables[0, 4] = -1  # positions 64..79, inside the window of position 99
+    with pytest.raises(RuntimeError, match="block id -1 is not in the cache"):
+        ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, 40)
 
 
 def test_float16_keeps_dtype_and_matches() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.step import SeqOutput
+from pagedserve.step import NO_BLOCK, SeqOutput
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.output_processor import OutputProcessor, num_samples
 from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
@@ -57,10 +57,11 @@ class FakeExecutor:
             for run in going:  # write every new token first, as each layer does
                 self._write(run)
             samples = {}
-            for run in going:  # then attend: read the whole context back
+            for run in going:  # then attend: read the context back (its sliding window)
                 table = bm.get_block_table(run.seq)
-                seen = [self._read(table, pos) for pos in range(len(run.tokens))]
-                assert seen == run.tokens, f"seq {run.seq.seq_id} reads a corrupted cache"
+                first = max(0, run.computed - bm.sliding_window + 1) if bm.sliding_window else 0
+                seen = [self._read(table, pos) for pos in range(first, len(run.tokens))]
+                assert seen == run.tokens[first:], f"seq {run.seq.seq_id} reads a corrupted cache"
                 if len(run.tokens) < run.seq.get_len():
                     samples[run.seq.seq_id] = SeqOutput(run.seq.seq_id, [], [])
                     continue
@@ -77,6 +78,7 @@ class FakeExecutor:
 
     def _read(self, table: list[int], pos: int) -> int | None:
         bs = self.block_manager.block_size
+        assert table[pos // bs] != NO_BLOCK, f"position {pos} is read but its block was freed"
         return self.gpu[table[pos // bs]][pos % bs]
 
     def _draw(self, group: SequenceGroup, seq: Sequence, tokens: list[int]) -> SeqOutput:

@@ -6,6 +6,7 @@ server runs is the same)."""
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -17,19 +18,26 @@ from tests.services import serve
 
 VOCAB = 49152  # the default model's tokenizer, for the API's text
 NEW_TOKENS = 24
+LONG_TOKENS = 200  # the sliding-window model's outputs: many windows of 24
 
 
 SERVED = ("phi3", "gemma3", "mistral-sliding-window")  # fused checkpoint weights, own class, window
 
 
+def served_model(name: str, tmp_path_factory, smollm2_dir: Path) -> Path:
+    """A tiny random checkpoint of case ``name`` with the default model's tokenizer."""
+    config_class, overrides = CASES[name]
+    model_dir = tmp_path_factory.mktemp(f"served-{name}")
+    save_tiny(model_dir, config_class, overrides | {"vocab_size": VOCAB})
+    for path in smollm2_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(path, model_dir / path.name)
+    return model_dir
+
+
 @pytest.fixture(scope="module", params=SERVED)
 def served_case(request, tmp_path_factory, smollm2_dir: Path):
-    config_class, overrides = CASES[request.param]
-    model_dir = tmp_path_factory.mktemp(f"served-{request.param}")
-    save_tiny(model_dir, config_class, overrides | {"vocab_size": VOCAB})
-    for name in smollm2_dir.iterdir():
-        if name.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(name, model_dir / name.name)
+    model_dir = served_model(request.param, tmp_path_factory, smollm2_dir)
     system = make_prompts(VOCAB, [40], seed=5)[0]
     prompts = make_prompts(VOCAB, [8, 60], seed=11, prefix=system)
     return model_dir, prompts, hf_greedy(model_dir, prompts, NEW_TOKENS)
@@ -51,3 +59,39 @@ def test_served_greedy_matches_hf(served_case) -> None:
             assert logprobs["tokens"] == [tokenizer.decode([t]) for t in hf_tokens]
             expected = [tops[t] for t, tops in zip(hf_tokens, hf_tops, strict=True)]
             assert logprobs["token_logprobs"] == pytest.approx(expected, abs=2e-4)
+
+
+def test_served_sliding_window_frees_blocks_and_matches_hf_under_preemption(
+    tmp_path_factory, smollm2_dir: Path
+) -> None:
+    """Prompts and outputs of many windows sent together to a pool that holds a few: blocks
+    outside the window go back to it, groups are preempted and recomputed, and every
+    answer still equals transformers'."""
+    model_dir = served_model("mistral-sliding-window", tmp_path_factory, smollm2_dir)
+    system = make_prompts(VOCAB, [48], seed=8)[0]
+    prompts = make_prompts(VOCAB, [150, 280], seed=5, prefix=system) + make_prompts(VOCAB, [230])
+    reference = hf_greedy(model_dir, prompts, LONG_TOKENS)
+    flags = ("--block-size", "8", "--num-gpu-blocks", "15", "--max-num-batched-tokens", "32")
+    with serve(model_dir, *flags, "--preemption-mode", "recompute") as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+        def complete(prompt: list[int]) -> dict:
+            body = {"model": model, "prompt": prompt, "max_tokens": LONG_TOKENS}
+            body |= {"temperature": 0, "logprobs": 1, "ignore_eos": True}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["logprobs"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, prompts))
+        metrics = httpx.get(f"{url}/metrics").text
+    assert _counter(metrics, "pagedserve_kv_blocks_freed_outside_window_total") > 0
+    assert _counter(metrics, 'pagedserve_preemptions_total{mode="recompute"}') > 0
+    for logprobs, (hf_tokens, hf_tops) in zip(answers, reference, strict=True):
+        expected = [tops[t] for t, tops in zip(hf_tokens, hf_tops, strict=True)]
+        assert logprobs["token_logprobs"] == pytest.approx(expected, abs=2e-4)
+
+
+def _counter(metrics: str, name: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(name + " "))
+    return float(line.split()[-1])

@@ -21,9 +21,18 @@ BLOCK_SIZE = 4
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    WINDOW = 0  # a sliding window: blocks wholly before it go back to the pool
+
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(BLOCK_SIZE, 12, 10, watermark=0.0, enable_prefix_caching=True)
+        self.bm = BlockManager(
+            BLOCK_SIZE,
+            12,
+            10,
+            watermark=0.0,
+            enable_prefix_caching=True,
+            sliding_window=self.WINDOW,
+        )
         self.gpu = [[None] * BLOCK_SIZE for _ in range(12)]
         self.cpu = [[None] * BLOCK_SIZE for _ in range(10)]
         self.groups: list[SequenceGroup] = []
@@ -66,6 +75,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         _, seq = data.draw(st.sampled_from(self._running()))
         if self.bm.gpu.num_free_blocks < 1:
             return
+        seq.num_computed_tokens = seq.get_len()  # as after the step that drew ``token``
         seq.append_token(token)
         copy = self.bm.append_slots(seq)
         if copy is not None:
@@ -110,8 +120,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for seq in group.seqs:
                 pool = self.cpu if seq.status == SequenceStatus.SWAPPED else self.gpu
                 table = self.bm.get_block_table(seq)
-                seen = [pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(seq.get_len())]
-                assert seen == seq.get_token_ids(), f"seq {seq.seq_id} lost its tokens"
+                first = max(0, seq.num_computed_tokens - self.WINDOW + 1) if self.WINDOW else 0
+                positions = range(first, seq.get_len())  # what the next step reads
+                seen = [pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in positions]
+                assert seen == seq.get_token_ids()[first:], f"seq {seq.seq_id} lost its tokens"
 
     def teardown(self) -> None:
         for group in self.groups:
@@ -125,3 +137,11 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
 TestBlockManagerProperties = BlockManagerMachine.TestCase
+
+
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    WINDOW = 6
+
+
+WindowedBlockManagerMachine.TestCase.settings = BlockManagerMachine.TestCase.settings
+TestWindowedBlockManagerProperties = WindowedBlockManagerMachine.TestCase

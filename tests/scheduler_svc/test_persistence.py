@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteStep, SeqStep
+from pagedserve.step import NO_BLOCK, ExecuteStep, SeqStep
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.state.persistence import (
     PendingStep,
@@ -150,3 +150,19 @@ def test_another_schema_version_is_refused() -> None:
     text["version"] = 99
     with pytest.raises(ValueError, match="version 99"):
         step_from_json(json.dumps(text))
+
+
+def test_blocks_freed_outside_a_sliding_window_ride_on_deltas() -> None:
+    """A table whose leading blocks were freed (-1) while it grew is still an append: the
+    delta carries how many lead entries are freed, and the stored group reads back equal."""
+    group, tables = _running_group()
+    stored = group_to_json(group, "running", tables)
+    mark = stored_mark(group, tables)
+    for table in ([NO_BLOCK, 5], [NO_BLOCK, 5, 6], [NO_BLOCK, NO_BLOCK, 6, 7]):
+        group.seqs[0].append_token(20, -0.25, {20: -0.25})
+        tables = {1: (table, len(table) * 4)}
+        delta = group_delta(group, "running", tables, mark)
+        assert delta is not None
+        stored += "\n" + delta
+        mark = stored_mark(group, tables)
+    assert group_from_json(stored).block_tables == {1: ([NO_BLOCK, NO_BLOCK, 6, 7], 16)}

@@ -407,9 +407,11 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
                 ": ", q_len, " new tokens, context_len ", context_len, ", table capacity ",
                 capacity);
     // Checked here, not while attending: GCC treats a target_clones dispatcher as nothrow.
+    // Only the blocks from the first new token's window on are read: entries wholly before
+    // it may be -1 (blocks the scheduler freed).
     const int32_t* table = p.block_tables + seq * p.max_num_blocks_per_seq;
     const int64_t num_blocks = (context_len + p.block_size - 1) / p.block_size;
-    for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int64_t b = window_begin(p, context_len - q_len) / p.block_size; b < num_blocks; ++b) {
       TORCH_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "sequence ", seq, ": block id ",
                   table[b], " is not in the cache");
     }
