@@ -51,8 +51,8 @@ bench: install
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
 		--json $(RES)/routing_chat_prefix.json
 	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
-	$(PY) bench/sliding_window.py --num-requests 8 --prompt-lens 2000-4000 --output-lens 500-1000 \
-		--window 512 --num-gpu-blocks 768 --json $(RES)/sliding_window.json
+	$(PY) bench/sliding_window.py --num-requests 6 --prompt-lens 1500-3000 --output-lens 250-500 \
+		--window 512 --num-gpu-blocks 512 --json $(RES)/sliding_window.json
 	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 --json $(RES)/structured.json
 	$(PY) bench/control_plane.py --window 2 --json $(RES)/control_plane.json
 	$(PY) bench/dtypes.py --preset alpaca --num-requests 16 --rounds 2 --prompts 8 \
@@ -83,6 +83,8 @@ bench-full: install
 		--json $(RES)/full/long_prompts.json
 	$(PY) bench/control_plane.py --seqs 32,64,128,256 --window 10 \
 		--json $(RES)/full/control_plane.json
+	$(PY) bench/sliding_window.py --num-requests 8 --prompt-lens 2000-4000 --output-lens 500-1000 \
+		--window 512 --num-gpu-blocks 768 --json $(RES)/full/sliding_window.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
 
