@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +44,12 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import httpx
+
+from pagedserve.cli import SERVE_GOMP_SPINCOUNT
+
+# The in-process engine waits at its OpenMP barriers as `pagedserve serve`'s executor does,
+# so that the two differ only by the path around the engine (torch reads this when it loads).
+os.environ.setdefault("GOMP_SPINCOUNT", SERVE_GOMP_SPINCOUNT)
 
 from bench.common import (
     PRESETS,
