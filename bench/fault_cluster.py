@@ -45,6 +45,9 @@ class Cluster:
     executor_address: str = ""
     schedulers: dict[str, subprocess.Popen] = field(default_factory=dict)
     proxies: dict[str, FaultProxy] = field(default_factory=dict)  # "executor", "redis"
+    # Set by the suite once its baseline ran: what an overload multiplies and sends.
+    sustainable_rate_req_s: float = 0.0
+    load: list = field(default_factory=list)  # the suite's Specs
 
     def start_redis(self) -> None:
         self.redis = RedisServer(self.data_dir)
@@ -124,6 +127,10 @@ class Cluster:
         """kill -9 the executor; returns the port to restart it on."""
         kill_9(self.executor)
         return int(self.executor_address.rsplit(":", 1)[1])
+
+    def num_requests(self) -> float:
+        """Requests the leader holds: running, waiting and swapped."""
+        return metric(self.leader(), "num_requests")
 
     def used_blocks(self) -> float:
         """KV blocks in use (gpu and cpu pools) on the leader."""
