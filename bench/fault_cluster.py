@@ -29,6 +29,8 @@ class ClusterConfig:
     model_dir: Path
     num_schedulers: int = 1
     store_budget_s: float = 30.0
+    # Small enough that the overload scenario's minute fills it (the default is 1,024).
+    max_waiting_requests: int = 128
     proxies: bool = True  # schedulers reach the executor and Redis through FaultProxies
 
 
@@ -67,6 +69,7 @@ class Cluster:
     def start_scheduler(self) -> str:
         """A new replica, once healthy; returns its URL."""
         flags = ["--store-budget", str(self.config.store_budget_s)]
+        flags += ["--max-waiting-requests", str(self.config.max_waiting_requests)]
         store = self.redis.url
         if "redis" in self.proxies:
             store = f"redis://{self.proxies['redis'].address}/0"

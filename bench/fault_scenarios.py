@@ -26,6 +26,7 @@ PARTITION_S = 8.0
 LATENCY_S = 0.05  # each direction, each chunk
 LATENCY_FOR_S = 10.0
 NUM_ABANDONING = 40
+NUM_STREAMS_AT_KILL = 64
 NUM_SLOW_READERS = 16
 SLOW_READ_S = 20.0
 SLOW_READER_TOKENS = 512
@@ -70,7 +71,12 @@ def redis_paused(cluster: Cluster) -> str:
 
 
 def executor_kill_9(cluster: Cluster) -> str:
-    in_flight = cluster.num_requests()
+    """The kill waits (up to 30 s) for NUM_STREAMS_AT_KILL requests to be held."""
+    deadline = time.monotonic() + 30
+    while (in_flight := cluster.num_requests()) < NUM_STREAMS_AT_KILL:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     port = cluster.kill_executor()
     time.sleep(EXECUTOR_DOWN_S)
     cluster.start_executor(port)
@@ -225,7 +231,7 @@ SCENARIOS = {  # in the order they run: each leaves the deployment whole but the
     for s in [
         Scenario("baseline", "no fault", no_fault),
         Scenario("redis-kill", "redis kill -9, AOF restart", redis_kill_9),
-        Scenario("executor-kill", "executor kill -9, 64 streams", executor_kill_9, streams=64),
+        Scenario("executor-kill", "executor kill -9, 64 streams", executor_kill_9, streams=80),
         Scenario("redis-pause", "redis SIGSTOP 15 s", redis_paused),
         Scenario("net-latency", "net latency, exec+redis", network_latency),
         Scenario("net-stall", "net stall 15 s, exec", network_stall),
