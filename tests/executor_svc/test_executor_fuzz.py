@@ -51,7 +51,6 @@ FUZZ = settings(
 )
 VOCAB, BLOCK_SIZE, MAX_LEN = 512, 16, 1024  # the tiny model's
 GPU_CANARY, GPU_SCRATCH = NUM_GPU_BLOCKS - 1, NUM_GPU_BLOCKS - 2  # valid cases name neither
-CPU_CANARY = 0
 CANARY_PROMPT = [17, 250, 3, 99, 401, 8, 77, 310, 42, 5, 260]  # positions 0..10
 CANARY_TOKEN = 123  # decoded at position 11, written anew identically by every check
 INT32, UINT32, INT64, UINT64 = 2**31, 2**32 - 1, 2**63, 2**64 - 1
@@ -207,8 +206,9 @@ def execute_requests(draw: st.DrawFn, pools: Pools) -> tuple[pb.ExecuteRequest, 
     request = pb.ExecuteRequest(seqs=draw(st.lists(sequences(), max_size=3)))
     for name in pools.limits():
         getattr(request, name).extend(draw(pools.pairs(name)))
+    targets = [request, *request.seqs, *(seq.sampling_params for seq in request.seqs)]
     for _ in range(draw(st.sampled_from([0, 1, 1, 2, 3]))):
-        draw(mutate(request))
+        draw(mutate(draw(st.sampled_from(targets))))
     epoch_offset = draw(st.sampled_from([-1, 0, 1, 1, 1]))
     return request, epoch_offset, draw(st.sampled_from(["next", "next", "last", "max"]))
 
@@ -225,24 +225,23 @@ def pair_requests(draw: st.DrawFn, pools: Pools, kind: type[Message]) -> Message
 
 
 def calls(pools: Pools) -> st.SearchStrategy[tuple[str, object]]:
-    """One RPC of any kind that mutates, with its request; Execute most often."""
-    execute = st.tuples(st.just("Execute"), execute_requests(pools))
-    return st.one_of(
-        *[execute] * 4,
-        st.tuples(st.just("CopyBlocks"), pair_requests(pools, pb.CopyBlocksRequest)),
-        st.tuples(st.just("SwapBlocks"), pair_requests(pools, pb.SwapBlocksRequest)),
-        st.tuples(st.just("Fence"), st.integers(-2, 2)),  # an offset from the newest epoch
-        st.tuples(
-            st.just("EndSteps"), st.builds(pb.EndStepsRequest, step_id=st.integers(0, UINT64))
-        ),
-        st.tuples(st.just("InitCache"), st.just(pb.InitCacheRequest())),
-    )
+    """One RPC of any kind that mutates, with its request; Execute half the time."""
+    requests = {
+        "Execute": execute_requests(pools),
+        "CopyBlocks": pair_requests(pools, pb.CopyBlocksRequest),
+        "SwapBlocks": pair_requests(pools, pb.SwapBlocksRequest),
+        "Fence": st.integers(-2, 2),  # an offset from the newest epoch
+        "EndSteps": st.builds(pb.EndStepsRequest, step_id=st.integers(0, UINT64)),
+        "InitCache": st.builds(pb.InitCacheRequest),
+    }
+    kinds = st.sampled_from(["Execute"] * 5 + [k for k in requests if k != "Execute"])
+    return kinds.flatmap(lambda kind: st.tuples(st.just(kind), requests[kind]))
 
 
 # -- the executor and its canaries --------------------------------------------------------
 
 
-def _written_blocks(kind: str, request: object, pools: Pools) -> tuple[set[int], set[int]]:
+def _written_blocks(kind: str, request: Message) -> tuple[set[int], set[int]]:
     """The KV-pool and swap-pool blocks an applied call writes."""
     gpu: set[int] = set()
     cpu: set[int] = set()
@@ -271,9 +270,9 @@ class Executor:
     def stats(self) -> pb.GetStatsResponse:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=30)
 
-    def step(self, seq: SeqStep, **pairs: list[tuple[int, int]]) -> StepResult:
+    def step(self, seq: SeqStep) -> StepResult:
         """A step of the canaries' own, in a new epoch, with a step id no case uses."""
-        step = ExecuteStep(next(self.step_ids), self.stats().epoch + 1, [seq], **pairs)
+        step = ExecuteStep(next(self.step_ids), self.stats().epoch + 1, [seq])
         return result_from_pb(self.stub.Execute(step_to_pb(step), timeout=30))
 
     def decode(self, block: int) -> StepResult:
@@ -284,15 +283,13 @@ class Executor:
         return self.step(seq)
 
     def write_canaries(self) -> None:
+        """Prefill the canary into its KV-pool block, take its expected decode, and copy
+        the block to the swap pool's canary."""
         params = SamplingParams(temperature=0.0)
-        prompt = SeqStep(0, CANARY_PROMPT, 0, [GPU_CANARY], params, num_samples=0)
-        self.step(prompt)
+        self.step(SeqStep(0, CANARY_PROMPT, 0, [GPU_CANARY], params, num_samples=0))
         self.expected = self.decode(GPU_CANARY)
-        out = [(GPU_CANARY, self.pools.cpu_canary)]
-        self.stub.SwapBlocks(
-            pb.SwapBlocksRequest(blocks_to_swap_out=[pb.BlockPair(src=s, dst=d) for s, d in out]),
-            timeout=30,
-        )
+        out = pb.BlockPair(src=GPU_CANARY, dst=self.pools.cpu_canary)
+        self.stub.SwapBlocks(pb.SwapBlocksRequest(blocks_to_swap_out=[out]), timeout=30)
 
     def check_canaries(self) -> None:
         """Both pools' canaries decode as when they were written."""
@@ -326,9 +323,9 @@ def executor(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def _send(
     executor: Executor, kind: str, request: object, before: pb.GetStatsResponse
-) -> tuple[grpc.StatusCode, object, bool]:
-    """Send one call; returns its status, the request as sent, and whether FAILED_PRECONDITION
-    is within the contract for it."""
+) -> tuple[grpc.StatusCode, Message, Message | None, bool]:
+    """Send one call; returns its status, the request as sent, the answer (None when
+    refused), and whether FAILED_PRECONDITION is within the contract for it."""
     stub, precondition_ok = executor.stub, False
     if kind == "Execute":
         request, epoch_offset, step_choice = request
@@ -342,8 +339,8 @@ def _send(
     try:
         answer = getattr(stub, kind)(request, timeout=60)
     except grpc.RpcError as e:
-        return e.code(), request, precondition_ok
-    return grpc.StatusCode.OK, (request, answer), precondition_ok
+        return e.code(), request, None, precondition_ok
+    return grpc.StatusCode.OK, request, answer, precondition_ok
 
 
 @FUZZ
@@ -353,7 +350,7 @@ def test_every_call_is_applied_whole_or_refused_whole(
 ) -> None:
     kind, request = data.draw(calls(executor.pools), label="call")
     before = executor.stats()
-    code, sent, precondition_ok = _send(executor, kind, request, before)
+    code, sent, answer, precondition_ok = _send(executor, kind, request, before)
     event(f"{kind}: {code.name}")  # --hypothesis-show-statistics: how many were applied
     assert code in ALLOWED or (code is grpc.StatusCode.FAILED_PRECONDITION and precondition_ok), (
         f"{kind} answered {code}:\n{executor.server.log_path.read_text()[-3000:]}"
@@ -362,10 +359,9 @@ def test_every_call_is_applied_whole_or_refused_whole(
         assert executor.stats() == before, "a refused call changed the executor's state"
         executor.check_canaries()
         return
-    sent, answer = sent
     if kind == "Execute":
         assert [o.seq_id for o in answer.outputs] == [s.seq_id for s in sent.seqs]
-    gpu, cpu = _written_blocks(kind, sent, executor.pools)
+    gpu, cpu = _written_blocks(kind, sent)
     if GPU_CANARY in gpu or executor.pools.cpu_canary in cpu:
         executor.write_canaries()  # the call named a canary's block: its KV is new
     executor.check_canaries()
