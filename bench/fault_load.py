@@ -29,6 +29,12 @@ class Spec:
     seed: int | None  # None: greedy
     max_tokens: int = 32
 
+    @property
+    def kind(self) -> str:
+        """E.g. "stream, seed 7" or "whole, greedy"."""
+        sampling = "greedy" if self.seed is None else f"seed {self.seed}"
+        return f"{'stream' if self.stream else 'whole'}, {sampling}"
+
     def body(self, model: str) -> dict:
         body = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens}
         body |= {"ignore_eos": True, "stream": self.stream}

@@ -52,6 +52,7 @@ class Row:
     blocks_leaked: float
     note: str
     error_kinds: dict[str, int]  # what the failed tries got, by kind (the JSON only)
+    wrong_kinds: dict[str, int]  # the requests with wrong text, by kind (the JSON only)
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ def summarize(scenario: Scenario, records: list[Record], fault_at: float, **extr
         latency_p50_s=percentile([r.ended - r.started for r in records], 50) or 0.0,
         recovery_s=min(recovered) if recovered and scenario.key != "baseline" else None,
         error_kinds=dict(Counter(e for r in records for e in r.errors)),
+        wrong_kinds=dict(Counter(r.spec.kind for r in records if r.outcome is Outcome.WRONG)),
         **extra,
     )
 
