@@ -90,13 +90,15 @@ bench-full: install
 
 # Fault suite (issue 30): about 10 minutes on 2 cores; the table on stdout and in
 # bench/results/faults.json. FAULTS_ARGS="--soak-minutes 30" adds the soak, "--model
-# SmolLM2-135M-Instruct" the real model. Then the HTTP and gRPC fuzzers at their full budget,
-# FUZZ_EXAMPLES cases a door (the suite runs 200; 5,000 took 15 minutes here).
+# SmolLM2-135M-Instruct" the real model. Then the HTTP, gRPC front-door and executor fuzzers
+# at their full budget, FUZZ_EXAMPLES cases each (the suite runs 200; 5,000 took 15 minutes
+# a front door here).
 FAULTS_ARGS ?=
 FUZZ_EXAMPLES ?= 5000
 faults: install
 	$(PY) bench/faults.py --json $(RES)/faults.json $(FAULTS_ARGS)
-	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/scheduler_svc/test_api_fuzz.py
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/scheduler_svc/test_api_fuzz.py \
+		tests/executor_svc/test_executor_fuzz.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -29,6 +29,8 @@ class ClusterConfig:
     model_dir: Path
     num_schedulers: int = 1
     store_budget_s: float = 30.0
+    # Small enough that the overload scenario's minute fills it (the default is 1,024).
+    max_waiting_requests: int = 128
     proxies: bool = True  # schedulers reach the executor and Redis through FaultProxies
 
 
@@ -45,6 +47,9 @@ class Cluster:
     executor_address: str = ""
     schedulers: dict[str, subprocess.Popen] = field(default_factory=dict)
     proxies: dict[str, FaultProxy] = field(default_factory=dict)  # "executor", "redis"
+    # Set by the suite once its baseline ran: what an overload multiplies and sends.
+    sustainable_rate_req_s: float = 0.0
+    load: list = field(default_factory=list)  # the suite's Specs
 
     def start_redis(self) -> None:
         self.redis = RedisServer(self.data_dir)
@@ -64,6 +69,7 @@ class Cluster:
     def start_scheduler(self) -> str:
         """A new replica, once healthy; returns its URL."""
         flags = ["--store-budget", str(self.config.store_budget_s)]
+        flags += ["--max-waiting-requests", str(self.config.max_waiting_requests)]
         store = self.redis.url
         if "redis" in self.proxies:
             store = f"redis://{self.proxies['redis'].address}/0"
@@ -124,6 +130,10 @@ class Cluster:
         """kill -9 the executor; returns the port to restart it on."""
         kill_9(self.executor)
         return int(self.executor_address.rsplit(":", 1)[1])
+
+    def num_requests(self) -> float:
+        """Requests the leader holds: running, waiting and swapped."""
+        return metric(self.leader(), "num_requests")
 
     def used_blocks(self) -> float:
         """KV blocks in use (gpu and cpu pools) on the leader."""

@@ -29,6 +29,12 @@ class Spec:
     seed: int | None  # None: greedy
     max_tokens: int = 32
 
+    @property
+    def kind(self) -> str:
+        """E.g. "stream, seed 7" or "whole, greedy"."""
+        sampling = "greedy" if self.seed is None else f"seed {self.seed}"
+        return f"{'stream' if self.stream else 'whole'}, {sampling}"
+
     def body(self, model: str) -> dict:
         body = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens}
         body |= {"ignore_eos": True, "stream": self.stream}
@@ -92,7 +98,7 @@ def judge_error(response: httpx.Response) -> Attempt:
     except (ValueError, KeyError, TypeError, AttributeError):
         clear, code = False, None
     retry_after = response.headers.get("retry-after")
-    if response.status_code == 503 and retry_after is None:
+    if response.status_code in (429, 503) and retry_after is None:
         clear = False
     wait = min(float(retry_after), 5.0) if retry_after and retry_after.isdigit() else 0.5
     status = response.status_code
@@ -102,10 +108,12 @@ def judge_error(response: httpx.Response) -> Attempt:
 
 class Client:
     """Sends specs to whichever replicas are up, retrying until each finishes or its
-    deadline passes."""
+    deadline passes (with ``retry`` False: one try each)."""
 
-    def __init__(self, urls: Callable[[], list[str]], model: str, deadline_s: float) -> None:
-        self.urls, self.model, self.deadline_s = urls, model, deadline_s
+    def __init__(
+        self, urls: Callable[[], list[str]], model: str, deadline_s: float, retry: bool = True
+    ) -> None:
+        self.urls, self.model, self.deadline_s, self.retry = urls, model, deadline_s, retry
         self._turn = itertools.count()
 
     def run(self, spec: Spec) -> Record:
@@ -129,7 +137,7 @@ class Client:
                     record.dropped += 1
                 else:
                     record.unclear_errors += 1
-                if attempt.final:
+                if attempt.final or not self.retry:
                     break
                 time.sleep(attempt.wait_s)
         record.ended = time.monotonic()
@@ -204,12 +212,15 @@ def run_load(client: Client, load: list[Spec], concurrency: int, duration_s: flo
         return [r for f in futures for r in f.result()]
 
 
-def run_paced(client: Client, load: list[Spec], rate: float, duration_s: float) -> list[Record]:
+def run_paced(
+    client: Client, load: list[Spec], rate: float, duration_s: float, max_in_flight: int = 64
+) -> list[Record]:
     """Open-loop load: one request every 1/``rate`` seconds for ``duration_s`` seconds,
-    whatever the server's pace; returns once every request has finished or timed out."""
+    whatever the server's pace (up to ``max_in_flight`` at once); returns once every
+    request has finished or timed out."""
     queue, futures = itertools.cycle(load), []
     start = time.monotonic()
-    with ThreadPoolExecutor(64) as pool:
+    with ThreadPoolExecutor(max_in_flight) as pool:
         for i in itertools.count():
             due = start + i / rate
             if due > start + duration_s:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fault_cluster import Cluster, ClusterConfig
-from bench.fault_load import Client, Spec, judge, run_paced, specs
+from bench.fault_load import Client, Outcome, Spec, judge, run_paced, specs
 from tests.cluster import model_of
 
 WARM_UP_S = 60.0  # at most; a fifth of a shorter soak
@@ -38,9 +38,16 @@ def soak(args: argparse.Namespace, reference: dict[Spec, str], baseline: Any) ->
         finally:
             cluster.stop()
     judge(warm + records, reference)
+    unfinished = [r for r in warm + records if r.outcome is not Outcome.CORRECT]
     result = {
         "rate_req_s": round(rate, 3),
         "outcomes": dict(Counter(r.outcome.value for r in warm + records)),
+        "error_kinds": dict(Counter(e for r in warm + records for e in r.errors)),
+        "unfinished": [  # what each request that did not finish correctly went through
+            {"outcome": r.outcome.value, "seconds": round(r.ended - r.started, 1)}
+            | {"started_s": round(r.started - warm[0].started, 1), "errors": r.errors}
+            for r in unfinished
+        ],
         "rss_mib_start": rss_start,
         "rss_mib_end": rss_end,
         "blocks_leaked": leaked,
@@ -52,6 +59,8 @@ def soak(args: argparse.Namespace, reference: dict[Spec, str], baseline: Any) ->
 
 def print_soak(result: dict[str, Any]) -> None:
     print(f"\nSoak at {result['rate_req_s']} req/s: {result['outcomes']}")
+    for record in result["unfinished"]:
+        print(f"  {record}")
     for name, start in result["rss_mib_start"].items():
         end = result["rss_mib_end"].get(name, float("nan"))
         print(f"  RSS {name}: {start:.1f} -> {end:.1f} MiB ({(end / start - 1) * 100:+.1f} %)")

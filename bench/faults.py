@@ -52,6 +52,7 @@ class Row:
     blocks_leaked: float
     note: str
     error_kinds: dict[str, int]  # what the failed tries got, by kind (the JSON only)
+    wrong_kinds: dict[str, int]  # the requests with wrong text, by kind (the JSON only)
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ def summarize(scenario: Scenario, records: list[Record], fault_at: float, **extr
         latency_p50_s=percentile([r.ended - r.started for r in records], 50) or 0.0,
         recovery_s=min(recovered) if recovered and scenario.key != "baseline" else None,
         error_kinds=dict(Counter(e for r in records for e in r.errors)),
+        wrong_kinds=dict(Counter(r.spec.kind for r in records if r.outcome is Outcome.WRONG)),
         **extra,
     )
 
@@ -97,13 +99,18 @@ def run_scenario(
 ) -> Row:
     """Load the running cluster, inject the fault, judge what the clients got, and wait
     for the pools to drain."""
-    load, replicas = specs(args.num_specs, args.max_tokens), len(cluster.urls())
+    load, replicas = cluster.load, len(cluster.urls())
+    concurrency = scenario.streams or args.concurrency
+    if scenario.streams:
+        load = [spec for spec in load if spec.stream]
     with ThreadPoolExecutor(1) as pool:
-        loaded = pool.submit(run_load, client, load, args.concurrency, args.duration)
+        loaded = pool.submit(run_load, client, load, concurrency, args.duration)
         time.sleep(args.fault_at)
         fault_at = time.monotonic()
-        note = scenario.fault(cluster)
-        records = loaded.result()
+        note, extra = scenario.fault(cluster), []
+        if isinstance(note, tuple):
+            note, extra = note
+        records = loaded.result() + extra
     judge(records, reference)
     leaked = cluster.wait_drained(DRAIN_S)
     if exited := replicas - len(cluster.urls()):
@@ -144,14 +151,16 @@ def run(args: argparse.Namespace) -> list[Row]:
         try:
             cluster.start()
             client = Client(cluster.urls, model_of(cluster.urls()[0]), args.deadline)
-            load = specs(args.num_specs, args.max_tokens)
-            reference = take_reference(client, load, args.concurrency)
+            cluster.load = specs(args.num_specs, args.max_tokens)
+            reference = take_reference(client, cluster.load, args.concurrency)
             for scenario in chosen:
                 if len(cluster.urls()) < scenario.min_schedulers:
                     print(f"{scenario.name}: skipped, needs {scenario.min_schedulers} replicas")
                     continue
                 rows.append(run_scenario(cluster, client, scenario, args, reference))
                 row = rows[-1]
+                if scenario.key == "baseline":
+                    cluster.sustainable_rate_req_s = row.correct / args.duration
                 print(f"{row.scenario}: {row.correct}/{row.sent} correct, {row.lost_or_hung} lost")
         finally:
             cluster.stop()

@@ -110,8 +110,10 @@ class Executor:
         )
 
     def execute(self, step: ExecuteStep) -> StepResult:
-        """Swap out, swap in, copy on write, in that order; then the forward pass."""
+        """Swap out, swap in, copy on write, in that order; then the forward pass. One
+        output per sequence in request order, a refused grammar's in its sequence's place."""
         cache, runner = self._pools()
+        order = {seq.seq_id: index for index, seq in enumerate(step.seqs)}  # of the outputs
         refused = self._check_grammars(step)
         if refused:  # the other ranks get the step without them
             step = dataclasses.replace(step, seqs=[s for s in step.seqs if s.seq_id not in refused])
@@ -121,7 +123,7 @@ class Executor:
             cache.copy(step.blocks_to_copy)
             outputs = runner.execute(step.seqs, lambda: self._end_step_id == step.step_id)
         outputs += [SeqOutput(seq_id, [], [], error=why) for seq_id, why in refused.items()]
-        return StepResult(step.step_id, outputs)
+        return StepResult(step.step_id, sorted(outputs, key=lambda o: order[o.seq_id]))
 
     def _check_grammars(self, step: ExecuteStep) -> dict[int, str]:
         """Why, by seq_id, each sequence whose grammar cannot be used is left out of the

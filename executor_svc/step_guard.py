@@ -35,8 +35,12 @@ def validate_step(step: ExecuteStep, info: ModelInfo) -> None:
     validate_pairs(step.blocks_to_swap_out, "blocks_to_swap_out", gpu, cpu)
     validate_pairs(step.blocks_to_swap_in, "blocks_to_swap_in", cpu, gpu)
     validate_pairs(step.blocks_to_copy, "blocks_to_copy", gpu, gpu)
+    first_index: dict[int, int] = {}
     for index, seq in enumerate(step.seqs):
         _validate_seq(seq, f"seqs[{index}]", info)
+        # Outputs, grammar state and refusals are keyed by seq_id: two would be confused.
+        if (first := first_index.setdefault(seq.seq_id, index)) != index:
+            raise InvalidArgument(f"seqs[{index}].seq_id: {seq.seq_id} already in seqs[{first}]")
     # Two writes to one slot in a step would lose one, so no valid step writes more.
     num_writes = sum(len(seq.new_token_ids) + seq.num_steps - 1 for seq in step.seqs)
     num_slots = gpu * info.block_size

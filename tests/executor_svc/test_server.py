@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.grammar import Grammar
 from pagedserve.model_info import ModelInfo
 from pagedserve.rpc import GRPC_OPTIONS
 from pagedserve.rpc.convert import step_to_pb
@@ -279,7 +280,13 @@ def _seqs_beyond_the_pool(request: pb.ExecuteRequest) -> None:
     """One more single-token sequence than the pool has slots."""
     seq = request.seqs[0]
     del seq.new_token_ids[1:]
-    request.seqs.extend([seq] * NUM_GPU_BLOCKS * 16)
+    for seq_id in range(1, NUM_GPU_BLOCKS * 16 + 1):
+        request.seqs.add().CopyFrom(seq)
+        request.seqs[-1].seq_id = seq_id
+
+
+def _duplicate_seq(request: pb.ExecuteRequest) -> None:
+    request.seqs.add().CopyFrom(request.seqs[0])
 
 
 CORRUPTIONS: dict[str, Corrupt] = {
@@ -296,6 +303,7 @@ CORRUPTIONS: dict[str, Corrupt] = {
     "copy_from_negative_block": lambda r: r.blocks_to_copy.add(src=-1, dst=0),
     "swap_out_to_int32_max": lambda r: r.blocks_to_swap_out.add(src=0, dst=2**31 - 1),
     "seqs_past_pool_slots": _seqs_beyond_the_pool,
+    "duplicate_seq_id": _duplicate_seq,  # the fuzzer's first find: outputs are keyed by it
     "no_sampling_params": _clear("sampling_params"),
     "top_p_nan": _nan_top_p,
     "temperature_inf": _set(temperature=float("inf")),
@@ -322,6 +330,23 @@ def test_any_field_value_is_refused_as_invalid(server: Server, corrupt: Corrupt)
     before = client.get_stats()
     assert _send(server, request) == grpc.StatusCode.INVALID_ARGUMENT
     assert client.get_stats() == before
+
+
+def test_outputs_come_in_request_order_with_a_refused_grammar_in_its_place(
+    server: Server,
+) -> None:
+    """The tiny model has no tokenizer, so its grammar is refused; the fuzzer found the
+    refused sequence's output moved to the end."""
+    epoch = server.next_epoch()
+    refused = SamplingParams(temperature=0.0, grammar=Grammar("regex", "[a-z]+"))
+    seqs = [
+        SeqStep(3, [5], 0, [1], SamplingParams(temperature=0.0)),
+        SeqStep(1, [6], 0, [2], refused),
+        SeqStep(2, [7], 0, [3], SamplingParams(temperature=0.0)),
+    ]
+    outputs = server.client.execute(ExecuteStep(0, epoch, seqs)).outputs
+    assert [o.seq_id for o in outputs] == [3, 1, 2]
+    assert [bool(o.error) for o in outputs] == [False, True, False]
 
 
 def test_extreme_valid_values_are_applied(server: Server) -> None:
