@@ -121,6 +121,7 @@ def throughput(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             done = rounds[name]
             if not done or "skipped" not in done[-1]:  # a skip or failure is final
                 done.append(run_system(name, trace, args))
+                print(f"round {index + 1}, {name}: {done[-1]}", file=sys.stderr, flush=True)
     return {name: merge_rounds(done) for name, done in rounds.items()}
 
 
