@@ -1,10 +1,14 @@
 // y = x W^T + b on CPU with W packed once, at load, into panels of 32 output features.
 //
-// x, b and y are fp32; W is fp32, bf16 or fp16, widened exactly to fp32 (bf16: zero-extend to
-// 32 bits, shift left 16; fp16: a few integer operations) in registers as each panel row is
-// loaded, or once per panel into an L2 buffer when several row blocks sweep it (piece_widened).
-// Every product and sum is the fp32 one over W's values, and a 16-bit W halves the bytes a
-// decode step reads.
+// x, b and y are fp32; W is fp32, bf16 or fp16. Two paths for 16-bit W:
+// - widening (every CPU): each weight widened exactly to fp32 (bf16: its bits moved to the
+//   upper half; fp16: a few integer operations) in registers as each panel row is loaded, or
+//   once per panel into an L2 buffer when several row blocks sweep it (piece_widened). Every
+//   product and sum is the fp32 one over W's values.
+// - bf16 dot products (bf16 W, CPUs with AVX512-BF16, picked at run time; piece_bf16_dot):
+//   x rounded to bf16 once per call, vdpbf16ps multiplies bf16 pairs and sums in fp32.
+// Either way a 16-bit W halves the bytes a decode step reads. AMX (tile multiplies of bf16) is
+// not used: no CPU this was built on had it to test with.
 //
 // A decode step's few rows read every weight once, so W's memory traffic sets the pace up to a
 // few dozen rows, and arithmetic beyond. Packed, a panel is one contiguous [K, 32] run
@@ -15,6 +19,11 @@
 //   packed W  [N/32, K, 32]     panel p: W[p*32 + j][k] at [p][k][j]
 //   acc[r][c] += x[m+r][k] * W[p][k][c*L .. c*L+L)    for every k; c < 32 / L vectors of L floats
 //   y[m+r][p*32 .. p*32+32) = acc[r][0..] + b
+//
+// 16-bit W is packed in pairs of consecutive k, [N/32, ceil(K/2), 32, 2] (W[p*32 + j][2q + h] at
+// [p][q][j][h], K padded with a zero to even), the operand layout of vdpbf16ps: each 32-bit
+// lane holds one feature's pair, so the widening path reads it with no lane moving (the lower
+// half is k, the upper k + 1) and a 128-byte packed row holds 2 values of k instead of 1.
 //
 // 8 rows x 2 16-float vectors on AVX-512 (16 accumulators, 10 loads per 16 FMAs), 3 rows x 4
 // 8-float vectors elsewhere (12 of AVX2's 16 registers; the fourth vector of weights is a memory
