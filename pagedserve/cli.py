@@ -233,13 +233,21 @@ def executor_environ(environ: dict[str, str]) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": SERVE_GOMP_SPINCOUNT, **environ}
 
 
+def _flag(key: str, value: object) -> str:
+    """``key`` as the executor's command line spells it: a switch bare or negated."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name}={value}"
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     """Start the executor as a child process, then the scheduler here; stop both together."""
     import subprocess
 
     config, tls = from_args(ExecutorConfig, args), from_args(TlsOptions, args)
     given = vars(config) | {k: v for k, v in vars(tls).items() if k not in SCHEDULER_ONLY_TLS}
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in given.items() if v is not None]
+    flags = [_flag(k, v) for k, v in given.items() if v is not None]
     executor = subprocess.Popen(
         [
             sys.executable,
