@@ -201,14 +201,11 @@ class ExecutorConfig:
         ),
     )
     cpu_bf16_dot: bool = field(
-        # Off by default: on the AVX512-BF16 Xeon measured it was 1.3-1.6x slower than
-        # widening at every row count (rounding each input costs more than it saves).
-        default=False,
+        default=True,
         metadata=_help(
             "bfloat16 weights on CPU: multiply them with the CPU's bf16 dot-product instructions "
             "(AVX512-BF16; activations rounded to bf16 as they enter a projection) where it has "
-            "them, closer to a bf16 model's arithmetic; off: widen them to float32 (float32 "
-            "arithmetic throughout, faster on the CPUs measured)"
+            "them; off: widen them to float32 (float32 arithmetic throughout)"
         ),
     )
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda[:N]"))
