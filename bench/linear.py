@@ -1,9 +1,7 @@
 #!/usr/bin/env python3
 """The C++ linear kernel (kernels.layer_ops on CPU, fp32, packed weights) against torch's
 sgemm on the same products, by row count; --weight-dtype bfloat16 or float16 packs the kernel's
-weights in 16 bits (sgemm gets them rounded, in fp32). bf16 weights go through the CPU's bf16 dot
-products where it has them (x rounded to bf16; sgemm then gets x rounded too), or with
---no-bf16-dot are widened to fp32.
+weights in 16 bits (sgemm gets them rounded, in fp32).
 
 The rows are a decode step's sequences or a prefill's tokens; the shapes are SmolLM2-135M's
 four projections of a layer, 30 layers of distinct weights on huge pages timed together as a
@@ -61,7 +59,6 @@ def _measure(
     rows: int,
     min_run_time: float,
     weight_dtype: torch.dtype = torch.float32,
-    bf16_dot: bool = True,
 ) -> Result:
     gen = torch.Generator().manual_seed(rows)
     plain, packed, widths = [], [], []
@@ -73,15 +70,13 @@ def _measure(
             widths.append(n)
     inputs = [torch.randn(rows, k, generator=gen) for k, _ in shapes.values()] * layers
     products = list(zip(inputs, plain, packed, widths, strict=True))
-    rounds_x = bf16_dot and weight_dtype == torch.bfloat16 and _has_bf16_dot()
     for x, w, p, n in products[: len(shapes)]:  # both compute the same product
-        got = layer_ops.linear(x, p, None, n, bf16_dot)
-        want = F.linear(x.bfloat16().float() if rounds_x else x, w)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        got = layer_ops.linear(x, p, None, n)
+        torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
 
     def run_kernel() -> None:
         for x, _, p, n in products:
-            layer_ops.linear(x, p, None, n, bf16_dot)
+            layer_ops.linear(x, p, None, n)
 
     def run_sgemm() -> None:
         for x, w, _, _ in products:
@@ -101,12 +96,6 @@ def _measure(
     )
 
 
-def _has_bf16_dot() -> bool:
-    from kernels.ops import cpu_extension
-
-    return cpu_extension().has_bf16_dot()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", help=f"default {ROWS}")
@@ -117,12 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--weight-dtype", default="float32", choices=("float32", "bfloat16", "float16")
     )
-    parser.add_argument(
-        "--bf16-dot",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="bf16 weights through the CPU's bf16 dot products where it has them",
-    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     weight_dtype = getattr(torch, args.weight_dtype)
@@ -132,14 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows or ROWS
     ]
     results = [
-        _measure(name, shapes, layers, rows, args.min_run_time, weight_dtype, args.bf16_dot)
+        _measure(name, shapes, layers, rows, args.min_run_time, weight_dtype)
         for name, shapes, layers, rows in tqdm(grid, desc="linear", unit="shape", file=sys.stderr)
     ]
     capability = torch.backends.cpu.get_cpu_capability()
-    path = ""
-    if weight_dtype == torch.bfloat16:
-        dot = args.bf16_dot and _has_bf16_dot()
-        path = ", bf16 dot products (x rounded to bf16)" if dot else ", widened to fp32"
     print_table(
         [
             "shapes",
@@ -151,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "sgemm GF/s",
         ],
         [[getattr(r, f) for f in Result.__slots__] for r in results],
-        title=f"linear, {args.weight_dtype} weights{path}, {torch.get_num_threads()} threads, "
+        title=f"linear, {args.weight_dtype} weights, {torch.get_num_threads()} threads, "
         f"CPU capability {capability}, ms per layer ({args.layers} layers' weights, out of cache)",
     )
     if args.json:
@@ -160,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
             "min_run_time": args.min_run_time,
             "layers": args.layers,
             "weight_dtype": args.weight_dtype,
-            "bf16_dot": args.bf16_dot and _has_bf16_dot(),
         }
         write_json(args.json, config, {"results": [asdict(r) for r in results]})
     return 0

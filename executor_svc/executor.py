@@ -55,14 +55,7 @@ class Executor:
             self.workers = WorkerGroup(Executor, config, self.device)
             shard = self.workers.shard
         self.shard = shard
-        self.model = load_model(
-            self.model_path,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            shard,
-            bf16_dot=config.cpu_bf16_dot,
-        )
+        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, shard)
         if self.workers is not None:
             self.workers.wait_ready()
         eos = hf_config.eos_token_id

@@ -27,7 +27,6 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     shard: Shard | None = None,
-    bf16_dot: bool = True,
 ) -> CausalLM:
     """Build the paged model from a checkpoint directory's safetensors files; with a
     ``shard``, only that tensor-parallel rank's slice of it.
@@ -35,8 +34,6 @@ def load_model(
     ``dtype`` is the weights'. On a GPU the activations share it; on CPU they are fp32 whatever
     ``dtype`` is: the projections, the logits' weight and the embeddings are packed in ``dtype``
     for the C++ kernels, which widen them to fp32 as they read them; norms and biases stay fp32.
-    bf16 weights with ``bf16_dot`` go through the CPU's bf16 dot products instead where it has
-    them, the activations rounded to bf16 as they enter each projection.
     """
     config = load_config(path)
     fused_checkpoint = decoder_spec(config).fused_checkpoint
@@ -57,7 +54,7 @@ def load_model(
     if shard is not None:
         shard.add_all_reduces(model)
     if device.type == "cpu":
-        model.pack_linears(dtype, fuse_layers=shard is None, bf16_dot=bf16_dot)
+        model.pack_linears(dtype, fuse_layers=shard is None)
         host_memory.pack_parameters(model)
     return model.eval()
 

@@ -1,7 +1,6 @@
 """Dense decoder ops (linear, RMSNorm, SwiGLU, rotary): fused C++ kernels for fp32 activations
-on CPU (linear's weights packed in fp32, bf16 or fp16; bf16 ones multiplied with the CPU's bf16
-dot products where it has them), the equivalent torch expressions on any other device or
-dtype."""
+on CPU (linear's weights packed in fp32, bf16 or fp16), the equivalent torch expressions on any
+other device or dtype."""
 
 from __future__ import annotations
 
@@ -20,47 +19,26 @@ def _cpu_fp32(*tensors: Tensor) -> bool:
 LINEAR_PANEL = 32
 
 
-# Weight dtypes the CPU linear kernel reads.
+# Weight dtypes the CPU linear kernel reads (widened to fp32 in registers).
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def pack_linear_weight(
     weight: Tensor,  # [out_features, in_features]
     dtype: torch.dtype | None = None,  # one of PACKED_DTYPES; None: weight's own
-) -> Tensor:  # fp32 [ceil(out / 32), in, 32]; 16-bit [ceil(out / 32), ceil(in / 2), 32, 2]
-    """W in panels of LINEAR_PANEL output features, each one contiguous run (zeros pad the
-    last), rounded to ``dtype``: the layout linear() streams on CPU. 16-bit weights go in pairs
-    of consecutive k, one pair per 32 bits, as the CPU's bf16 dot-product instruction takes
-    them:
-
-        fp32     panel p, row k:  W[32p][k]          W[32p+1][k]          ... W[32p+31][k]
-        16-bit   panel p, row q:  W[32p][2q] W[32p][2q+1]  W[32p+1][2q] W[32p+1][2q+1]  ...
-    """
+) -> Tensor:  # [ceil(out / 32), in, 32]
+    """W in panels of LINEAR_PANEL output features, each a contiguous [in_features, 32] run
+    (zero rows pad the last): the layout linear() streams on CPU, rounded to ``dtype``."""
     dtype = dtype or weight.dtype
     if dtype not in PACKED_DTYPES:
         raise ValueError(f"packed weights are float32, bfloat16 or float16, not {dtype}")
     out_features, in_features = weight.shape
-    odd_k = in_features % 2 if dtype != torch.float32 else 0
-    padded = F.pad(weight.to(dtype), (0, odd_k, 0, -out_features % LINEAR_PANEL))
-    panels = padded.view(-1, LINEAR_PANEL, in_features + odd_k)  # [panels, 32, in]
-    if dtype == torch.float32:
-        return panels.transpose(1, 2).contiguous()
-    pairs = panels.view(panels.shape[0], LINEAR_PANEL, -1, 2)  # [panels, 32, in / 2, 2]
-    return pairs.transpose(1, 2).contiguous()
+    padded = F.pad(weight.to(dtype), (0, 0, 0, -out_features % LINEAR_PANEL))
+    return padded.view(-1, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
 
 
 def is_packed(weight: Tensor) -> bool:
-    return weight.dim() >= 3
-
-
-def packed_columns(
-    weight: Tensor,  # packed by pack_linear_weight
-    columns: Tensor,  # [num_columns] int64, output features
-    in_features: int,
-) -> Tensor:  # [num_columns, in_features]
-    """Rows of the unpacked W (an embedding's lookups in a tied, packed table)."""
-    rows = weight[columns // LINEAR_PANEL, :, columns % LINEAR_PANEL]  # [n, in(/2)(, 2)]
-    return rows.flatten(1)[:, :in_features]
+    return weight.dim() == 3
 
 
 def linear(
@@ -68,18 +46,15 @@ def linear(
     weight: Tensor,  # [out_features, in_features], or packed by pack_linear_weight
     bias: Tensor | None = None,  # [out_features]
     out_features: int | None = None,  # needed with a packed weight
-    bf16_dot: bool = True,
 ) -> Tensor:  # [num_tokens, out_features]
     """x W^T + b: a packed weight through the C++ kernel (CPU; x, b and the result fp32, W fp32,
-    bf16 or fp16), a plain one through torch. The kernel multiplies in fp32, except bf16 weights
-    with ``bf16_dot`` on a CPU with bf16 dot products: x is then rounded to bf16, as a bf16
-    model's activations are, and the sums stay fp32."""
+    bf16 or fp16, all arithmetic fp32), a plain one through torch."""
     if not is_packed(weight):
         return F.linear(x, weight, bias)
     if out_features is None:
         raise ValueError("a packed weight needs out_features")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return cpu_extension().linear(x, weight, bias, out_features, 0, bf16_dot)
+    return cpu_extension().linear(x, weight, bias, out_features)
 
 
 def rms_norm(

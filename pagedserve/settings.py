@@ -200,14 +200,6 @@ class ExecutorConfig:
             "16 bits fit twice the blocks in the same memory"
         ),
     )
-    cpu_bf16_dot: bool = field(
-        default=True,
-        metadata=_help(
-            "bfloat16 weights on CPU: multiply them with the CPU's bf16 dot-product instructions "
-            "(AVX512-BF16; activations rounded to bf16 as they enter a projection) where it has "
-            "them; off: widen them to float32 (float32 arithmetic throughout)"
-        ),
-    )
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda[:N]"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block (8-128)"))
     num_gpu_blocks: int | None = field(

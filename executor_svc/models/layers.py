@@ -17,15 +17,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num
 class Linear(nn.Linear):
     """nn.Linear through kernels.layer_ops, whose CPU kernel wants the weight packed."""
 
-    bf16_dot = True  # layer_ops.linear's: bf16 weights through the CPU's bf16 dot products
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in_features]
-        return layer_ops.linear(x, self.weight, self.bias, self.out_features, self.bf16_dot)
+        return layer_ops.linear(x, self.weight, self.bias, self.out_features)
 
-    def pack(self, dtype: torch.dtype, bf16_dot: bool = True) -> None:
+    def pack(self, dtype: torch.dtype) -> None:
         """Repack the loaded weight into layer_ops' panels in ``dtype`` (CPU)."""
         self.weight = nn.Parameter(layer_ops.pack_linear_weight(self.weight.data, dtype), False)
-        self.bf16_dot = bf16_dot
 
 
 class RMSNorm(nn.Module):
@@ -73,18 +70,13 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.bf16_dot = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden]
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        vocab_size = self.config.vocab_size
-        return layer_ops.linear(hidden, weight, None, vocab_size, self.bf16_dot).float()
+        return layer_ops.linear(hidden, weight, None, self.config.vocab_size).float()
 
     def pack_linears(
-        self,
-        weight_dtype: torch.dtype = torch.float32,
-        fuse_layers: bool = True,
-        bf16_dot: bool = True,
+        self, weight_dtype: torch.dtype = torch.float32, fuse_layers: bool = True
     ) -> None:
         """Repack every projection and the logits' weight for layer_ops' CPU kernel, once the
         checkpoint is in, rounded to ``weight_dtype`` (fp32, bf16 or fp16; the activations stay
@@ -92,14 +84,11 @@ class CausalLM(nn.Module):
         its columns from the panels. An untied one is only rounded to ``weight_dtype``.
 
         ``fuse_layers``: run the decoder layers in one C++ call from then on, where the family
-        has one (``_fuse_layers``). ``bf16_dot``: bf16 weights multiplied with the CPU's bf16
-        dot products where it has them (activations rounded to bf16 as they enter each
-        projection), else widened to fp32 (layer_ops.linear).
+        has one (``_fuse_layers``).
         """
-        self.bf16_dot = bf16_dot
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(weight_dtype, bf16_dot)
+                module.pack(weight_dtype)
         weight = self.embed_tokens.weight.data
         if self.tie_word_embeddings:
             weight = layer_ops.pack_linear_weight(weight, weight_dtype)
@@ -114,8 +103,9 @@ class CausalLM(nn.Module):
         """The tokens' embeddings in the activations' dtype (the norms'): packed or 16-bit
         tables on CPU are widened to fp32."""
         weight = self.embed_tokens.weight
-        if layer_ops.is_packed(weight):
-            rows = layer_ops.packed_columns(weight, input_ids, self.config.hidden_size)
+        if layer_ops.is_packed(weight):  # token t is column t % 32 of panel t // 32
+            panel = layer_ops.LINEAR_PANEL
+            rows = weight[input_ids // panel, :, input_ids % panel]
         else:
             rows = self.embed_tokens(input_ids)
         return rows.to(self.norm.weight.dtype)

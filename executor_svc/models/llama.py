@@ -153,7 +153,6 @@ class LlamaForCausalLM(CausalLM):
             self.norm.eps,
             attn.attn.scale,
             list(self.spec.sliding_windows),
-            self.bf16_dot,
         )
 
     def _fuse_layers(self) -> None:

@@ -1,5 +1,4 @@
-"""bench/dtypes.py: each dtype timed on the same trace, and the bf16 agreement counted; vLLM
-reported as skipped without --vllm-python."""
+"""bench/dtypes.py: each dtype timed on the same trace, and the bf16 agreement counted."""
 
 from __future__ import annotations
 
@@ -24,15 +23,11 @@ def test_dtypes_benchmark_times_each_dtype_and_counts_agreement(tmp_path: Path) 
         capture_output=True,
     )
     result = json.loads(out.read_text())
-    runs = result["dtypes"]
-    ours = ("float32", "bfloat16", "bfloat16-widened")
-    assert set(runs) == {*ours, "vllm-float32", "vllm-bfloat16"}
-    for name in ours:
-        assert len(runs[name]["wall_s_rounds"]) == 2 and runs[name]["output_tokens_per_s"] > 0
-    assert "--vllm-python" in runs["vllm-bfloat16"]["skipped"]
-    assert out.with_suffix(".png").stat().st_size > 0
+    for run in result["dtypes"].values():
+        assert len(run["wall_s_rounds"]) == 2 and run["output_tokens_per_s"] > 0
+    assert set(result["dtypes"]) == {"float32", "bfloat16"}
     agreement = result["agreement_bf16_vs_hf_bf16"]
     assert agreement["prompts"] == 2
-    for pair in ("ours_bf16_vs_hf_bf16", "ours_bf16_widened_vs_hf_bf16", "hf_fp32_vs_hf_bf16"):
+    for pair in ("ours_bf16_vs_hf_bf16", "hf_fp32_vs_hf_bf16"):
         assert 0 <= agreement[pair]["identical_prompts"] <= 2
         assert 0 <= agreement[pair]["token_fraction"] <= 1

@@ -1,7 +1,5 @@
-"""--dtype and --kv-cache-dtype on CPU: 16-bit weights widened under fp32 activations equal
-transformers run in fp32 on the same rounded weights; bf16 weights through the CPU's bf16 dot
-products (activations rounded to bf16 in each projection) keep transformers' bf16 greedy tokens up
-to near-ties; a 16-bit KV pool holds twice the blocks."""
+"""--dtype and --kv-cache-dtype on CPU: 16-bit weights under fp32 activations equal transformers
+run in fp32 on the same rounded weights; a 16-bit KV pool holds twice the blocks."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ import pytest
 import torch
 
 from executor_svc.executor import Executor
-from kernels.ops import cpu_extension
 from pagedserve.settings import ExecutorConfig, PreemptionMode
 from tests.executor_svc.test_generation_vs_hf import (
     LENGTHS,
@@ -20,10 +17,6 @@ from tests.executor_svc.test_generation_vs_hf import (
     hf_greedy,
     make_prompts,
     run_ours,
-)
-
-needs_bf16_dot = pytest.mark.skipif(
-    not cpu_extension().has_bf16_dot(), reason="this CPU has no AVX512-BF16"
 )
 
 
@@ -57,7 +50,7 @@ def test_16_bit_weights_match_hf_on_the_rounded_weights(tiny_model_dir, tmp_path
     prompts = make_prompts(512, LENGTHS)
     rounded = rounded_checkpoint(tiny_model_dir, getattr(torch, dtype), tmp_path / "rounded")
     reference = hf_greedy(rounded, prompts, NEW_TOKENS)
-    ours, llm = run_ours(tiny_model_dir, prompts, dtype=dtype, cpu_bf16_dot=False)
+    ours, llm = run_ours(tiny_model_dir, prompts, dtype=dtype)
     executor = llm.executor
     assert executor.model.layers[0].mlp.down_proj.weight.dtype == getattr(torch, dtype)
     assert executor.model.norm.weight.dtype == torch.float32
@@ -65,17 +58,6 @@ def test_16_bit_weights_match_hf_on_the_rounded_weights(tiny_model_dir, tmp_path
     assert_same_greedy(ours, reference)
     same, total = identical_tokens(ours, reference)
     assert same == total  # fp32 arithmetic on the same weights: no near-ties on this model
-
-
-@needs_bf16_dot
-def test_bf16_dot_products_generate_like_hf_in_bf16(tiny_model_dir):
-    prompts = make_prompts(512, LENGTHS)
-    reference = hf_greedy(tiny_model_dir, prompts, NEW_TOKENS, dtype=torch.bfloat16)
-    ours, _ = run_ours(tiny_model_dir, prompts, dtype="bfloat16")
-    assert_same_greedy(ours, reference)
-    # The dot products were taken: the widened path (fp32 activations) gives other logprobs.
-    widened, _ = run_ours(tiny_model_dir, prompts, dtype="bfloat16", cpu_bf16_dot=False)
-    assert [c.outputs[0].top_logprobs for c in ours] != [c.outputs[0].top_logprobs for c in widened]
 
 
 def test_16_bit_kv_cache_holds_twice_the_blocks(tiny_model_dir):

@@ -1,8 +1,7 @@
 """kernels.layer_ops (C++ on CPU in fp32) against the float64 reference.
 
 Tolerances: fp32 accumulation over a few hundred terms, atol 1e-5 rtol 1e-4; silu and the rotary
-tables add a couple of ulp. The bf16 dot-product path rounds x to bf16 first: against the
-reference on the rounded x the same tolerance holds (products of bf16 values are exact in fp32).
+tables add a couple of ulp.
 """
 
 from __future__ import annotations
@@ -28,20 +27,6 @@ def test_pack_linear_weight_lays_out_panels_of_32_features() -> None:
     for n in (0, 31, 32, 69):
         torch.testing.assert_close(packed[n // 32, :, n % 32], weight[n], rtol=0, atol=0)
     assert not packed[2, :, 6:].any()  # features 70..95 are padding
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_pack_linear_weight_pairs_16_bit_weights_along_k(dtype: torch.dtype) -> None:
-    weight = _randn(70, 5)
-    packed = layer_ops.pack_linear_weight(weight, dtype)
-    assert packed.shape == (3, 3, 32, 2) and packed.dtype == dtype and packed.is_contiguous()
-    for n in (0, 31, 32, 69):
-        for k in range(5):
-            assert packed[n // 32, k // 2, n % 32, k % 2] == weight[n, k].to(dtype)
-    assert not packed[:, 2, :, 1].any()  # k = 5 pads the odd in_features
-    assert not packed[2, :, 6:].any()
-    columns = torch.tensor([69, 0, 33])
-    assert torch.equal(layer_ops.packed_columns(packed, columns, 5), weight[columns].to(dtype))
 
 
 @pytest.mark.parametrize(
@@ -74,15 +59,7 @@ def test_linear_matches_reference(rows: int, in_features: int, out_features: int
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
-    [
-        (1, 64, 9),
-        (1, 576, 960),
-        (9, 72, 13),
-        (3, 577, 40),
-        (17, 576, 960),
-        (385, 1536, 576),
-        (1100, 72, 13),
-    ],
+    [(1, 64, 9), (1, 576, 960), (9, 72, 13), (17, 576, 960), (385, 1536, 576), (1100, 72, 13)],
 )
 def test_16_bit_weights_match_fp32_on_their_rounded_values(
     dtype: torch.dtype, rows: int, in_features: int, out_features: int
@@ -90,72 +67,25 @@ def test_16_bit_weights_match_fp32_on_their_rounded_values(
     # Weights packed in bf16 / fp16 are widened exactly to fp32 in registers, so the kernel
     # computes the fp32 product over the rounded weights: the fp32 tolerance holds against the
     # float64 reference on those weights.
-    # (bf16_dot False: the widening path, which every CPU has.)
     x = _randn(rows, in_features)
     weight = _randn(out_features, in_features, seed=1) * in_features**-0.5
     packed = layer_ops.pack_linear_weight(weight, dtype)
+    assert packed.dtype == dtype and packed.shape == (-(-out_features // 32), in_features, 32)
     rounded = weight.to(dtype).float()
     bias = _randn(out_features, seed=2)
     for b in (None, bias):
         expected = reference.linear(x, rounded, b)
         for vector_floats in (0, 8):
-            got = cpu_extension().linear(x, packed, b, out_features, vector_floats, False)
+            got = cpu_extension().linear(x, packed, b, out_features, vector_floats)
             torch.testing.assert_close(got, expected, **TOL)
     # Bit for bit the fp32 kernel's result on the rounded weights, whether each row block widens
     # the panel as it sweeps it (one block) or the panel is widened once for all (several).
     for vector_floats in (0, 8):
         fp32 = layer_ops.pack_linear_weight(rounded)
         want = cpu_extension().linear(x, fp32, bias, out_features, vector_floats)
-        got = cpu_extension().linear(x, packed, bias, out_features, vector_floats, False)
-        assert torch.equal(got, want)
-
-
-needs_bf16_dot = pytest.mark.skipif(
-    not cpu_extension().has_bf16_dot(), reason="this CPU has no AVX512-BF16"
-)
-
-
-@needs_bf16_dot
-@pytest.mark.parametrize(
-    ("rows", "in_features", "out_features"),
-    [
-        *((rows, 576, 960) for rows in (1, 2, 3, 7, 8, 9, 17, 64, 193, 385)),
-        (1, 1, 1),
-        (5, 15, 33),
-        (9, 17, 13),
-        (31, 577, 40),
-        (200, 1536, 576),
-        (1100, 72, 13),
-    ],
-)
-def test_bf16_dot_matches_reference_on_bf16_activations(
-    rows: int, in_features: int, out_features: int
-) -> None:
-    # Every row count up to a block of 8 and past it, row panels of 192, odd in_features (a
-    # padded last pair), in_features under one 16-value rounding step, short last panels.
-    x = _randn(rows, in_features)
-    weight = _randn(out_features, in_features, seed=1) * in_features**-0.5
-    packed = layer_ops.pack_linear_weight(weight, torch.bfloat16)
-    rounded = weight.bfloat16().float()
-    bias = _randn(out_features, seed=2)
-    for b in (None, bias):
-        got = cpu_extension().linear(x, packed, b, out_features)
-        torch.testing.assert_close(got, reference.linear(x.bfloat16().float(), rounded, b), **TOL)
-        torch.testing.assert_close(layer_ops.linear(x, packed, b, out_features), got)
-    # The widening path keeps x in fp32: the two differ by x's rounding, within bf16's reach.
-    widened = cpu_extension().linear(x, packed, bias, out_features, 0, False)
-    assert not torch.equal(got, widened)
-    torch.testing.assert_close(got, widened, atol=3e-2, rtol=1e-2)
-
-
-@needs_bf16_dot
-def test_bf16_dot_gives_a_row_the_same_bits_in_any_batch() -> None:
-    x = _randn(200, 577)
-    packed = layer_ops.pack_linear_weight(_randn(960, 577, seed=1) / 24, torch.bfloat16)
-    whole = cpu_extension().linear(x, packed, None, 960)
-    for start, stop in ((0, 1), (5, 8), (9, 26), (3, 196)):
-        part = cpu_extension().linear(x[start:stop], packed, None, 960)
-        assert torch.equal(part, whole[start:stop])
+        assert torch.equal(
+            cpu_extension().linear(x, packed, bias, out_features, vector_floats), want
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -168,7 +98,7 @@ def test_16_bit_weights_widen_exactly(dtype: torch.dtype) -> None:
     weight = torch.cat([values, _randn(64 - values.numel()).to(dtype)]).view(1, 64).repeat(40, 1)
     packed = layer_ops.pack_linear_weight(weight)
     for vector_floats in (0, 8):
-        got = cpu_extension().linear(torch.eye(64), packed, None, 40, vector_floats, False)
+        got = cpu_extension().linear(torch.eye(64), packed, None, 40, vector_floats)
         assert torch.equal(got.view(torch.int32), weight.float().T.contiguous().view(torch.int32))
 
 

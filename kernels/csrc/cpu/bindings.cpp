@@ -101,25 +101,21 @@ void reshape_and_cache_op(const at::Tensor& key, const at::Tensor& value, at::Te
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias, int64_t out_features,
-                     int64_t vector_floats, bool bf16_dot) {
+                     int64_t vector_floats) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat &&
                   x.stride(1) == 1,
               "x must be a [rows, in_features] float32 CPU tensor with contiguous rows");
   TORCH_CHECK(out_features >= 0, "out_features must be >= 0, got ", out_features);
   const int64_t panels = (out_features + cpu::kLinearPanel - 1) / cpu::kLinearPanel;
   const at::ScalarType weight_dtype = weight.scalar_type();
-  // fp32: [panels, in_features, 32]; 16-bit: [panels, ceil(in_features / 2), 32, 2]
-  std::vector<int64_t> shape{panels, x.size(1), cpu::kLinearPanel};
-  if (weight_dtype != at::kFloat) {
-    shape[1] = (x.size(1) + 1) / 2;
-    shape.push_back(2);
-  }
-  TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() &&
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu() &&
                   (weight_dtype == at::kFloat || weight_dtype == at::kBFloat16 ||
                    weight_dtype == at::kHalf) &&
-                  weight.sizes() == at::IntArrayRef(shape),
-              "weight must be packed by layer_ops.pack_linear_weight: a contiguous ", shape,
-              " float32, bfloat16 or float16 CPU tensor, got ", weight.sizes(), " ",
+                  weight.size(0) == panels && weight.size(1) == x.size(1) &&
+                  weight.size(2) == cpu::kLinearPanel,
+              "weight must be packed by layer_ops.pack_linear_weight: a contiguous [", panels,
+              ", ", x.size(1), ", ", cpu::kLinearPanel,
+              "] float32, bfloat16 or float16 CPU tensor, got ", weight.sizes(), " ",
               weight_dtype);
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == out_features &&
@@ -137,7 +133,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
   p.rows = x.size(0);
   p.in_features = x.size(1);
   p.out_features = out_features;
-  cpu::linear(p, vector_floats, bf16_dot);
+  cpu::linear(p, vector_floats);
   return y;
 }
 
@@ -281,8 +277,7 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
                              const at::Tensor& decode_block_tables, const at::Tensor& cos,
                              const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t intermediate_size, double eps,
-                             double scale, const std::vector<int64_t>& sliding_windows,
-                             bool bf16_dot) {
+                             double scale, const std::vector<int64_t>& sliding_windows) {
   check_float_rows(hidden, 2, "hidden");
   TORCH_CHECK(kv_caches.size() == layers.size() && sliding_windows.size() == layers.size(),
               "one (key, value) cache pair and one sliding window per layer");
@@ -297,7 +292,7 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
                 "layer ", i, " needs its ", kLayerWeights, " parameters (only biases None)");
     auto& [key_cache, value_cache] = kv_caches[i];
     at::Tensor qkv = linear_op(rms_norm_op(hidden, *w[0], eps), *w[1], w[2],
-                               q_size + 2 * kv_size, 0, bf16_dot);
+                               q_size + 2 * kv_size, 0);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
     at::Tensor v =
@@ -309,12 +304,11 @@ at::Tensor decoder_layers_op(at::Tensor hidden, const at::Tensor& positions,
     reshape_and_cache_op(k.to(cache_dtype), v.to(cache_dtype), key_cache, value_cache,
                          slot_mapping);
     at::Tensor attn = attend(q, key_cache, value_cache, step, scale, sliding_windows[i]);
-    at::Tensor out =
-        linear_op(attn.view({num_tokens, q_size}), *w[3], w[9], hidden_size, 0, bf16_dot);
+    at::Tensor out = linear_op(attn.view({num_tokens, q_size}), *w[3], w[9], hidden_size, 0);
     hidden = out.add_(hidden);  // the residual, into the fresh projection
     at::Tensor gate_up = linear_op(rms_norm_op(hidden, *w[4], eps), *w[5], w[6],
-                                   2 * intermediate_size, 0, bf16_dot);
-    out = linear_op(silu_and_mul_op(gate_up), *w[7], w[8], hidden_size, 0, bf16_dot);
+                                   2 * intermediate_size, 0);
+    out = linear_op(silu_and_mul_op(gate_up), *w[7], w[8], hidden_size, 0);
     hidden = out.add_(hidden);
   }
   return hidden;
@@ -339,9 +333,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each token sees that many positions, itself included");
   m.def("linear", &pagedserve::cpu::linear_op, NoGil(), py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("out_features"), py::arg("vector_floats") = 0,
-        py::arg("bf16_dot") = true,
-        "x W^T + b with W packed in panels (layer_ops.pack_linear_weight); bf16_dot False "
-        "widens bf16 weights even where the CPU has bf16 dot products; vector_floats 8 "
+        "x W^T + b with W packed in panels (layer_ops.pack_linear_weight); vector_floats 8 "
         "forces 8-float vectors");
   m.def("rms_norm", &pagedserve::cpu::rms_norm_op, NoGil(), py::arg("x"), py::arg("weight"),
         py::arg("eps"));
@@ -358,11 +350,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("decode_context_lens"), py::arg("decode_block_tables"), py::arg("cos"),
         py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
-        py::arg("sliding_windows"), py::arg("bf16_dot"),
+        py::arg("sliding_windows"),
         "a Llama decoder's layers on fp32 CPU activations with packed projections (fp32, bf16 "
         "or fp16) and caches of any of those dtypes");
-  m.def("has_bf16_dot", &pagedserve::cpu::has_bf16_dot,
-        "whether linear multiplies bf16 weights with this CPU's bf16 dot products (AVX512-BF16)");
   m.def("reshape_and_cache", &pagedserve::cpu::reshape_and_cache_op, NoGil(), py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"));

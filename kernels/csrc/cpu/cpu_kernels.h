@@ -39,8 +39,7 @@ constexpr int64_t kLinearPanel = 32;
 struct LinearParams {
   float* y;              // [rows, out_features], contiguous
   const float* x;        // [rows, in_features], elements contiguous within a row
-  const void* weight;    // packed, zero-padded: fp32 [ceil(out_features / 32), in_features, 32],
-                         // 16-bit [ceil(out_features / 32), ceil(in_features / 2), 32, 2]
+  const void* weight;    // packed: [ceil(out_features / 32), in_features, 32], zero-padded
   c10::ScalarType weight_dtype;  // Float, BFloat16 or Half
   const float* bias;     // [out_features] or nullptr
   int64_t x_row_stride;  // elements between two rows of x
@@ -49,15 +48,10 @@ struct LinearParams {
   int64_t out_features;
 };
 
-// y = x W^T + b; parallel over panels of rows and runs of weight panels. 16-bit weights are
-// widened exactly and multiplied in fp32, except bf16 ones with bf16_dot where the CPU has
-// AVX512-BF16 (has_bf16_dot): x is then rounded to bf16 and the sums are fp32. vector_floats 8
-// picks 8-float vectors even where the CPU has 16 (tests, benchmarks; no bf16 dot products
-// then); anything else, the widest.
-void linear(const LinearParams& params, int64_t vector_floats, bool bf16_dot);
-
-// Whether this CPU runs linear's bf16 dot-product path (vdpbf16ps).
-bool has_bf16_dot();
+// y = x W^T + b in fp32 (16-bit weights widened exactly); parallel over panels of rows and runs
+// of weight panels. vector_floats 8 picks 8-float vectors even where the CPU has 16 (tests,
+// benchmarks); anything else, the widest.
+void linear(const LinearParams& params, int64_t vector_floats);
 
 struct RmsNormParams {
   float* out;            // [num_tokens, hidden_size], contiguous
