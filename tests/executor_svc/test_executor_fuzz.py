@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor
 from google.protobuf.message import Message
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pagedserve.rpc import GRPC_OPTIONS, MAX_MESSAGE_BYTES
@@ -42,14 +41,8 @@ from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
 from tests.executor_svc.executor_proc import NUM_GPU_BLOCKS, Server, start_executor, stop_executor
+from tests.fuzz import FUZZ
 
-EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "200"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 VOCAB, BLOCK_SIZE, MAX_LEN = 512, 16, 1024  # the tiny model's
 GPU_CANARY, GPU_SCRATCH = NUM_GPU_BLOCKS - 1, NUM_GPU_BLOCKS - 2  # valid cases name neither
 CANARY_PROMPT = [17, 250, 3, 99, 401, 8, 77, 310, 42, 5, 260]  # positions 0..10

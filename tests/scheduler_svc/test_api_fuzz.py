@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import time
 from types import SimpleNamespace
@@ -30,22 +29,16 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
+from tests.fuzz import FUZZ
 from tests.openai_spec import assert_conforms
 from tests.services import GUARD_KEY
 
 KEY = GUARD_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "200"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 SERVER_FAULTS = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
