@@ -66,11 +66,11 @@ def model_of(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
 
 
-def body(url: str, prompt: str, stream: bool = False) -> dict:
+def body(url: str, prompt: str, stream: bool = False, max_tokens: int = MAX_TOKENS) -> dict:
     return {
         "model": model_of(url),
         "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": stream,
@@ -86,12 +86,11 @@ def complete(url: str, prompt: str, request_id: str | None = None) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def stream_text(url: str, prompt: str) -> str:
+def stream_text(url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     """A streaming completion's text, concatenated from its SSE chunks."""
     text = ""
-    with httpx.stream(
-        "POST", f"{url}/v1/completions", json=body(url, prompt, stream=True), timeout=300
-    ) as r:
+    request = body(url, prompt, stream=True, max_tokens=max_tokens)
+    with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
