@@ -424,6 +424,14 @@ class SchedulerOptions:
         default=1 << 20,
         metadata=_help("prompt tokens that may wait for a first step; beyond, 429"),
     )
+    max_queue_wait_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds a new request may expect to wait for its first step, at the rate "
+            "requests are finishing; beyond, 429 with Retry-After (0: no bound)",
+            flag="max_queue_wait",
+        ),
+    )
     connect_timeout_s: float = field(
         default=600.0,
         metadata=_help(
@@ -437,6 +445,8 @@ class SchedulerOptions:
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
+        if not self.max_queue_wait_s >= 0:
+            raise ValueError("max_queue_wait must be >= 0")
         if self.state_store is not None:
             check_redis_url(self.state_store)
 

@@ -141,7 +141,8 @@ class SchedulerMetrics:
         self.refused = Counter(
             "pagedserve_requests_refused", "requests refused at admission", ["reason"], registry=r
         )
-        self.refused.labels("queue_full")
+        for reason in ("queue_full", "queue_wait"):
+            self.refused.labels(reason)
         self.ttft = Histogram(
             "pagedserve_time_to_first_token_seconds",
             "arrival to first generated token",

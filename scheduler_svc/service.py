@@ -23,6 +23,7 @@ from scheduler_svc.api.dashboard import Dashboard
 from scheduler_svc.api.grpc_frontdoor import FrontDoorServicer, start_frontdoor
 from scheduler_svc.api.http import Api, build_app
 from scheduler_svc.api.keys import ApiKeys
+from scheduler_svc.engine.admission import AdmissionLimits
 from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import IdCounter, LLMEngine
@@ -165,7 +166,9 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
         template,
         options.routing,
         options.store_budget_s,
-        (options.max_waiting_requests, options.max_waiting_tokens),
+        AdmissionLimits(
+            options.max_waiting_requests, options.max_waiting_tokens, options.max_queue_wait_s
+        ),
         metrics.count_refused,
     )
     tune_garbage_collector()  # the tokenizer and the engines are built; no step has run

@@ -10,10 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
 from executor_svc.attention import AttentionMetadata
-from executor_svc.models.layers import CausalLM, KVCache, Linear, RMSNorm, RotaryEmbedding
+from executor_svc.models.layers import (
+    CausalLM,
+    KVCache,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_frequencies,
+)
 from executor_svc.models.llama import LlamaAttention
 from pagedserve.architectures import DecoderSpec, decoder_spec
 
@@ -67,15 +73,10 @@ class Gemma3ForCausalLM(CausalLM):
             Gemma3DecoderLayer(config, self.spec, window) for window in self.spec.sliding_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        hf = Gemma3RotaryEmbedding(config)
         num_positions = max_positions or config.max_position_embeddings
         self.rotaries = nn.ModuleDict(
             {
-                kind: RotaryEmbedding(
-                    getattr(hf, f"{kind}_inv_freq"),
-                    getattr(hf, f"{kind}_attention_scaling"),
-                    num_positions,
-                )
+                kind: RotaryEmbedding(*rope_frequencies(config, kind), num_positions)
                 for kind in set(config.layer_types)
             }
         )

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels import layer_ops
 
@@ -33,6 +34,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         return layer_ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_frequencies(
+    config: PretrainedConfig, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling as transformers' rope initialisers compute
+    them, for the whole model or one ``layer_type`` (Gemma 3's sliding and global layers).
+    Taken from its rope utilities, not from a family's modeling file: importing one of
+    those costs seconds at every executor start."""
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    if params["rope_type"] != "default":
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        return ROPE_INIT_FUNCTIONS[params["rope_type"]](config, **kwargs)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):

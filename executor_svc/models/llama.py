@@ -6,10 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from executor_svc.attention import AttentionMetadata, PagedAttention
-from executor_svc.models.layers import CausalLM, KVCache, Linear, RMSNorm, RotaryEmbedding
+from executor_svc.models.layers import (
+    CausalLM,
+    KVCache,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_frequencies,
+)
 from kernels import layer_ops
 from kernels.ops import cpu_extension
 from pagedserve.architectures import DecoderSpec, decoder_spec
@@ -102,9 +108,8 @@ class LlamaForCausalLM(CausalLM):
             LlamaDecoderLayer(config, self.spec, window) for window in self.spec.sliding_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        hf = LlamaRotaryEmbedding(config)
         self.rotary = RotaryEmbedding(
-            hf.inv_freq, hf.attention_scaling, max_positions or config.max_position_embeddings
+            *rope_frequencies(config), max_positions or config.max_position_embeddings
         )
         self._fused_layers: list[list[torch.Tensor | None]] | None = None
 

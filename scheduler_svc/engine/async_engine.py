@@ -23,6 +23,7 @@ import grpc
 import structlog
 
 from pagedserve.sampling_params import SamplingParams
+from scheduler_svc.engine.admission import DEFAULT_LIMITS, Admission, AdmissionLimits
 from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 from scheduler_svc.engine.executor_client import StepRefused
 from scheduler_svc.engine.lane_set import Fleet, LaneSet, probe_stats
@@ -71,7 +72,7 @@ class AsyncEngine:
         template: LLMEngine | None = None,
         routing: str = "prefix",
         store_budget_s: float = 30.0,
-        max_waiting: tuple[int, int] = (1024, 1 << 20),
+        limits: AdmissionLimits = DEFAULT_LIMITS,
         on_refused: Callable[[str], None] | None = None,
     ) -> None:
         """Args:
@@ -83,7 +84,7 @@ class AsyncEngine:
         routing: how new requests pick an executor: "prefix" or "round-robin".
         store_budget_s: how long a stream followed through the store waits out a store
             that does not answer.
-        max_waiting: the requests and prompt tokens that may wait for a first step.
+        limits: what may wait for a first step (requests, prompt tokens, expected seconds).
         on_refused: told the reason of each request refused at admission (metrics).
         """
         if isinstance(fleet, LLMEngine):
@@ -97,7 +98,7 @@ class AsyncEngine:
         self.keeper = LeaseKeeper(lease, self._on_lost) if lease is not None else None
         self.follower = None if store is None else StoreStream(store, budget_s=store_budget_s)
         self.lane_set = LaneSet(fleet, store, observer, routing, self._start_loop)
-        self.max_waiting = max_waiting
+        self.admission = Admission(limits)
         self.on_refused = on_refused
         self.epoch = 0
         self.leading = False
@@ -242,15 +243,12 @@ class AsyncEngine:
         """Raise QueueFullError when the leader's waiting queue has no room for another
         request of ``prompt_len`` tokens (checked and routed with no await between, so a
         burst cannot overfill it)."""
-        requests, tokens = self.lane_set.waiting()
-        max_requests, max_tokens = self.max_waiting
-        if requests + 1 > max_requests or tokens + prompt_len > max_tokens:
+        try:
+            self.admission.check(*self.lane_set.waiting(), prompt_len)
+        except QueueFullError as e:
             if self.on_refused is not None:
-                self.on_refused("queue_full")
-            raise QueueFullError(
-                f"{requests} requests ({tokens} prompt tokens) already wait for a first "
-                f"step, at most {max_requests} ({max_tokens} tokens); retry later"
-            )
+                self.on_refused(e.reason)
+            raise
 
     async def generate(
         self,
@@ -431,6 +429,7 @@ class AsyncEngine:
                 queue.put_nowait(delta)
             if delta.finished:
                 self.lane_set.finished(delta.request_id)
+                self.admission.finished()
 
     async def _watch(self) -> None:
         """Other replicas' submissions and aborts, and the registry's executors coming and

@@ -31,7 +31,12 @@ class RequestFailedError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests, or prompt tokens, already wait for a first step: retry later."""
+    """Too many requests, or prompt tokens, already wait for a first step, or the wait
+    would be too long: retry later. ``reason`` names which, for metrics."""
+
+    def __init__(self, message: str, reason: str = "queue_full") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)

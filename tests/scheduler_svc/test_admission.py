@@ -1,6 +1,7 @@
 """Admission rules of a modern engine, on real processes (`pagedserve serve`, the tiny chat
-model): a bounded waiting queue (429 with Retry-After beyond --max-waiting-requests, counted,
-and every admitted request still gets its whole answer), priorities (lower first), and
+model): a bounded waiting queue (429 with Retry-After beyond --max-waiting-requests, or
+when at the rate requests finish a new one would wait past --max-queue-wait; counted, and
+every admitted request still gets its whole answer), priorities (lower first), and
 deadlines (a request past its timeout ends with deadline_exceeded and frees its blocks)."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from scheduler_svc.engine.admission import MIN_FINISHED, RATE_WINDOW_S, Admission, AdmissionLimits
+from scheduler_svc.state.streams import QueueFullError
 from tests.cluster import metric, used_blocks
 from tests.openai_spec import assert_conforms
 from tests.services import serve
@@ -32,6 +35,67 @@ def server(tiny_chat_model_dir: Path):
         yield url, model
 
 
+@pytest.fixture(scope="module")
+def impatient_server(tiny_chat_model_dir: Path):
+    """One sequence at a time, and a wait bound no queue behind it can meet."""
+    flags = ["--num-gpu-blocks", "64", "--max-num-seqs", "1", "--max-queue-wait", "0.01"]
+    with serve(tiny_chat_model_dir, *flags) as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        yield url, model
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_wait_bound_follows_the_rate_requests_finish():
+    clock = Clock()
+    admission = Admission(AdmissionLimits(requests=100, tokens=10_000, wait_s=10), clock)
+    admission.check(50, 500, 10)  # no rate known yet: only the counts bound the queue
+    for _ in range(2 * MIN_FINISHED):  # two finishes a second
+        clock.now += 0.5
+        admission.finished()
+    assert admission.drain_rate() == pytest.approx(2, rel=0.1)
+    admission.check(18, 500, 10)  # the 19th in the queue waits about 9.5 s
+    with pytest.raises(QueueFullError, match="would wait about") as refused:
+        admission.check(20, 500, 10)  # the 21st about 10.5 s
+    assert refused.value.reason == "queue_wait"
+    admission.check(0, 0, 10)  # an empty queue admits whatever the rate
+    clock.now += RATE_WINDOW_S + 1  # the finishes age out of the window: no rate again
+    assert admission.drain_rate() is None
+    admission.check(99, 500, 10)
+    with pytest.raises(QueueFullError) as full:
+        admission.check(100, 500, 10)
+    assert full.value.reason == "queue_full"
+    unbounded = Admission(AdmissionLimits(wait_s=0), clock)
+    for _ in range(MIN_FINISHED):
+        clock.now += 10
+        unbounded.finished()
+    unbounded.check(1000 - 1, 0, 10)
+
+
+def test_past_the_wait_bound_a_burst_gets_429_and_the_admitted_finish(impatient_server):
+    url, model = impatient_server
+    for i in range(MIN_FINISHED):  # a drain rate to judge by
+        assert complete(url, model, i, max_tokens=4).status_code == 200
+    with ThreadPoolExecutor(BURST) as pool:
+        answers = list(pool.map(lambda i: complete(url, model, i), range(BURST)))
+    full = [r for r in answers if r.status_code == 429]
+    assert full and all(r.status_code in (200, 429) for r in answers)
+    for r in full:
+        assert r.headers["retry-after"] == "2"
+        assert "would wait about" in r.json()["error"]["message"]
+    for r in answers:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    text = httpx.get(f"{url}/metrics").text
+    assert f'pagedserve_requests_refused_total{{reason="queue_wait"}} {len(full)}.0' in text
+
+
 def refused(url: str) -> float:
     return metric(url, "requests_refused_total")
 
@@ -43,8 +107,8 @@ def aborts(url: str) -> float:
     )
 
 
-def complete(url: str, model: str, i: int) -> httpx.Response:
-    body = {"model": model, "prompt": f"Story {i}:", "max_tokens": MAX_TOKENS}
+def complete(url: str, model: str, i: int, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    body = {"model": model, "prompt": f"Story {i}:", "max_tokens": max_tokens}
     body |= {"temperature": 0, "ignore_eos": True}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
 
