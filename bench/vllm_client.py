@@ -27,16 +27,22 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
+# Requests each run sends at once before it measures (the client's --num-warmups): without
+# them the first rate of a sweep also times each server's first batch shapes.
+WARMUPS = 8
+
+
 def client_args(
     url: str, model: str, tokenizer: Path, rate: float, num_requests: int, dataset: list[str]
 ) -> list[str]:
     """The flags of one run: ``dataset``'s requests (``random_dataset`` or
     ``sharegpt_dataset``), EOS ignored, streaming, Poisson arrivals at ``rate``, as in vLLM's
-    own serving benchmarks."""
+    own serving benchmarks, after WARMUPS requests that are not measured."""
     return [
         *("--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url),
         *("--model", model, "--tokenizer", str(tokenizer), *dataset, "--ignore-eos"),
         *("--request-rate", f"{rate:g}", "--num-prompts", str(num_requests), "--seed", "0"),
+        *("--num-warmups", str(WARMUPS)),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
         "--disable-tqdm",
     ]

@@ -74,6 +74,7 @@ def test_vllm_client_result_summary() -> None:
     flags = vllm_client.client_args("http://h:1", "m", Path("/t"), 2.0, 80, dataset)
     assert flags[flags.index("--request-rate") + 1] == "2"
     assert "--ignore-eos" in flags and flags[flags.index("--random-input-len") + 1] == "256"
+    assert flags[flags.index("--num-warmups") + 1] == str(vllm_client.WARMUPS)
 
 
 def test_vllm_client_sharegpt_file_keeps_the_trace_lengths(tmp_path: Path) -> None:

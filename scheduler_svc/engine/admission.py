@@ -1,0 +1,75 @@
+"""Admission at the leader's front door: a request is refused (429, retry later) rather
+than queued when the queue already holds too many requests or prompt tokens, or when at
+the rate requests have been finishing it would wait longer than a client can be expected
+to. A count alone bounds memory, not latency: under ten times the sustainable rate a
+queue of a hundred requests means minutes of waiting, and clients give up on requests
+the server goes on to run."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_svc.state.streams import QueueFullError
+
+RATE_WINDOW_S = 30.0  # the finishes the drain rate is measured over
+MIN_FINISHED = 8  # fewer finishes in the window say nothing yet about the rate
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """What the waiting queue may hold: requests, prompt tokens, and the seconds a new
+    request may expect to wait for its first step (0: no bound on the wait)."""
+
+    requests: int = 1024
+    tokens: int = 1 << 20
+    wait_s: float = 60.0
+
+
+DEFAULT_LIMITS = AdmissionLimits()
+
+
+class Admission:
+    """Judges each new request against the limits and the queue as it stands; told of
+    every request that finishes, it knows how fast the queue drains."""
+
+    def __init__(
+        self, limits: AdmissionLimits, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limits = limits
+        self.clock = clock
+        self._finished: deque[float] = deque()
+
+    def finished(self) -> None:
+        self._finished.append(self.clock())
+
+    def drain_rate(self) -> float | None:
+        """Requests finished per second over the last RATE_WINDOW_S (None: too few)."""
+        now = self.clock()
+        while self._finished and self._finished[0] < now - RATE_WINDOW_S:
+            self._finished.popleft()
+        if len(self._finished) < MIN_FINISHED:
+            return None
+        return (len(self._finished) - 1) / max(now - self._finished[0], 1e-9)
+
+    def check(self, waiting_requests: int, waiting_tokens: int, prompt_len: int) -> None:
+        """Raise QueueFullError when a request of ``prompt_len`` tokens joining this queue
+        would exceed a limit."""
+        limits = self.limits
+        if waiting_requests + 1 > limits.requests or waiting_tokens + prompt_len > limits.tokens:
+            raise QueueFullError(
+                f"{waiting_requests} requests ({waiting_tokens} prompt tokens) already wait "
+                f"for a first step, at most {limits.requests} ({limits.tokens} tokens); "
+                "retry later",
+                "queue_full",
+            )
+        rate = self.drain_rate() if limits.wait_s > 0 and waiting_requests else None
+        if rate is not None and (expected := (waiting_requests + 1) / rate) > limits.wait_s:
+            raise QueueFullError(
+                f"{waiting_requests} requests wait for a first step; at the {rate:.1f} per "
+                f"second finishing now this one would wait about {expected:.0f} s, more "
+                f"than the {limits.wait_s:g} s allowed; retry later",
+                "queue_wait",
+            )
