@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Weight dtypes on CPU side by side: throughput of the in-process engine per ``--dtype``, and
-how often bf16 greedy tokens equal transformers' bf16 run.
+"""Weight dtypes on CPU side by side: throughput of the in-process engine per ``--dtype`` (and
+of vLLM's CPU build in the same dtype, with ``--vllm-python``), and how often bf16 greedy
+tokens equal transformers' bf16 run.
 
     python bench/dtypes.py --preset alpaca --num-requests 48 --rounds 2 \\
         --json bench/results/dtypes_alpaca.json
+    python bench/dtypes.py --preset sharegpt --num-requests 100 --rounds 1 \\
+        --vllm-python ~/vllm-venv/bin/python
 
 Each round runs every dtype on the same trace (greedy, exactly ``max_tokens`` each), every
 other round in reverse order, and each dtype reports its mean. Agreement: ``--prompts`` English
@@ -25,6 +28,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py shadows kernels
 
+from bench import peers
 from bench.common import Run, close_llm, load_trace, print_table, time_offline, write_json
 
 PROMPTS = (
@@ -52,29 +56,17 @@ PROMPTS = (
 
 
 def throughput(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each dtype's mean summary over the rounds (A B, B A, ...)."""
-    from pagedserve.offline import OfflineLLM
-    from pagedserve.settings import ExecutorConfig
-
+    """Each system's and dtype's mean summary over the rounds (A B, B A, ...), keyed
+    ``dtype`` for ours and ``vllm dtype`` for vLLM's."""
     trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
-    walls: dict[str, list[float]] = {dtype: [] for dtype in args.dtypes}
+    runs = [(system, dtype) for system in args.systems for dtype in args.dtypes]
+    walls: dict[str, list[float]] = {}
     last: dict[str, Run] = {}
     for index in range(args.rounds):
-        for dtype in args.dtypes if index % 2 == 0 else reversed(args.dtypes):
-            config = ExecutorConfig(
-                model=args.model,
-                dtype=dtype,
-                num_gpu_blocks=args.num_gpu_blocks,
-                max_model_len=args.max_model_len,
-            )
-            llm = OfflineLLM(config)
-            try:
-                last[dtype] = time_offline(llm, trace)
-            finally:
-                close_llm(llm)
-            del llm
-            gc.collect()
-            walls[dtype].append(last[dtype].wall_s)
+        for system, dtype in runs if index % 2 == 0 else reversed(runs):
+            key = dtype if system == "pagedserve" else f"{system} {dtype}"
+            last[key] = run_one(system, dtype, trace, args)
+            walls.setdefault(key, []).append(last[key].wall_s)
     out = {}
     for dtype, run in last.items():
         mean = Run(
@@ -82,6 +74,32 @@ def throughput(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         )
         out[dtype] = mean.summary() | {"wall_s_rounds": [round(w, 3) for w in walls[dtype]]}
     return out
+
+
+def run_one(system: str, dtype: str, trace: Any, args: argparse.Namespace) -> Run:
+    """One timed run of the trace: our in-process engine, or vLLM's offline LLM."""
+    from pagedserve.model_files import resolve_model
+    from pagedserve.offline import OfflineLLM
+    from pagedserve.settings import ExecutorConfig
+
+    if system == "vllm":
+        model_dir = resolve_model(args.model)
+        return peers.run_vllm(
+            args.vllm_python, model_dir, trace, args.max_model_len, args.seed, dtype
+        )
+    config = ExecutorConfig(
+        model=args.model,
+        dtype=dtype,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_model_len=args.max_model_len,
+    )
+    llm = OfflineLLM(config)
+    try:
+        return time_offline(llm, trace)
+    finally:
+        close_llm(llm)
+        del llm
+        gc.collect()
 
 
 def agreement(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,9 +169,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="agreement prompts; 0: none")
     p.add_argument("--agreement-tokens", type=int, default=32)
+    p.add_argument("--vllm-python", default=None, help="also vLLM's CPU build, from this venv")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
+    args.systems = ["pagedserve"] + (["vllm"] if args.vllm_python else [])
     return args
 
 
@@ -169,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if runs:
         base = runs[args.dtypes[0]]["output_tokens_per_s"]
         rows = [
-            [dtype, s["wall_s"], s["output_tokens_per_s"], s["output_tokens_per_s"] / base, ""]
-            for dtype, s in runs.items()
+            [key, s["wall_s"], s["output_tokens_per_s"], s["output_tokens_per_s"] / base, ""]
+            for key, s in runs.items()
         ]
-        print_table(["dtype", "wall s", "output tok/s", "ratio", "note"], rows)
+        print_table(["run (vLLM's prefixed)", "wall s", "output tok/s", "ratio", "note"], rows)
     agree = agreement(args) if args.prompts else None
     if agree:
         for pair in ("ours_bf16_vs_hf_bf16", "hf_fp32_vs_hf_bf16"):

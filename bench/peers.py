@@ -125,8 +125,8 @@ def _cb_wait(manager: Any, jobs: dict[str, tuple[list[int], int]], bar: Any) -> 
 VLLM_SCRIPT = """
 import json, sys, time
 from vllm import LLM, SamplingParams
-RESULT, model, max_model_len, seed, prompts, outs = json.load(sys.stdin)
-llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, seed=seed)
+RESULT, model, dtype, max_model_len, seed, prompts, outs = json.load(sys.stdin)
+llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed)
 prompts = [{"prompt_token_ids": p} for p in prompts]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
 llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -138,9 +138,17 @@ print(RESULT, json.dumps([wall, sum(len(o.outputs[0].token_ids) for o in done)])
 VLLM_RESULT = "PAGEDSERVE_BENCH_RESULT"  # vLLM logs to stdout too, even after the result
 
 
-def run_vllm(python: str, model_dir: Path, trace: Trace, max_model_len: int, seed: int) -> Run:
+def run_vllm(
+    python: str,
+    model_dir: Path,
+    trace: Trace,
+    max_model_len: int,
+    seed: int,
+    dtype: str = "float32",
+) -> Run:
     """vLLM's offline LLM in its own venv, every core bound (PEERS.md)."""
-    job = [VLLM_RESULT, str(model_dir), max_model_len, seed, trace.prompts, trace.output_lens]
+    job = [VLLM_RESULT, str(model_dir), dtype, max_model_len, seed]
+    job += [trace.prompts, trace.output_lens]
     done = subprocess.run(
         [python, "-c", VLLM_SCRIPT],
         input=json.dumps(job),
