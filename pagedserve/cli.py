@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.flags import add_flags, apply_environment, from_args
+from pagedserve.flags import add_flags, apply_environment, from_args, to_flags
 from pagedserve.settings import (
     SCHEDULER_ONLY_TLS,
     ApiConfig,
@@ -233,21 +233,12 @@ def executor_environ(environ: dict[str, str]) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": SERVE_GOMP_SPINCOUNT, **environ}
 
 
-def _flag(key: str, value: object) -> str:
-    """``key`` as the executor's command line spells it: a switch bare or negated."""
-    name = key.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{name}" if value else f"--no-{name}"
-    return f"--{name}={value}"
-
-
 def _run_serve(args: argparse.Namespace) -> int:
     """Start the executor as a child process, then the scheduler here; stop both together."""
     import subprocess
 
     config, tls = from_args(ExecutorConfig, args), from_args(TlsOptions, args)
-    given = vars(config) | {k: v for k, v in vars(tls).items() if k not in SCHEDULER_ONLY_TLS}
-    flags = [_flag(k, v) for k, v in given.items() if v is not None]
+    flags = to_flags(config) + to_flags(tls, skip=SCHEDULER_ONLY_TLS)
     executor = subprocess.Popen(
         [
             sys.executable,

@@ -49,6 +49,25 @@ def add_flags(parser: argparse.ArgumentParser, options: type, skip: Iterable[str
         parser.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
+def to_flags(options: Any, skip: Iterable[str] = ()) -> list[str]:
+    """The command line that add_flags' parser reads back as ``options`` (a dataclass
+    instance): each set field under its flag's name, switches bare or negated, a tuple's
+    items one flag each, an enum by its value."""
+    out = []
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if f.name in skip or "help" not in f.metadata or value is None:
+            continue
+        name = "--" + (f.metadata["flag"] or f.name).replace("_", "-")
+        if isinstance(value, bool):
+            out.append(name if value else "--no-" + name[2:])
+        elif isinstance(value, tuple):
+            out += [f"{name}={item}" for item in value]
+        else:
+            out.append(f"{name}={value.value if isinstance(value, enum.Enum) else value}")
+    return out
+
+
 def from_args(options: type[T], args: argparse.Namespace, **given: Any) -> T:
     """The ``options`` dataclass from parsed flags; a field that is itself an options
     dataclass is read from the same flags, and ``given`` fields win."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.flags import env_name, from_args
+from pagedserve.flags import add_flags, env_name, from_args, to_flags
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import (
     CHUNKED_PREFILL_BUDGET,
@@ -22,6 +23,7 @@ from pagedserve.settings import (
     RegistrationOptions,
     SchedulerConfig,
     SchedulerOptions,
+    TlsOptions,
 )
 
 INFO = ModelInfo("m", 100, 16384, 2, block_size=16, num_gpu_blocks=64, num_cpu_blocks=8)
@@ -116,6 +118,24 @@ def test_flags_build_the_options() -> None:
         max_num_seqs=9, preemption_mode=PreemptionMode.SWAP, enable_prefix_caching=True
     )
     assert from_args(ApiConfig, args) == ApiConfig(api_keys=("k",), max_n=4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ExecutorConfig(model="m", dtype="bfloat16", num_gpu_blocks=7),
+        EngineOptions(free_outside_window=False),
+        EngineOptions(preemption_mode=PreemptionMode.SWAP, enable_prefix_caching=False),
+        EngineOptions(decode_steps_quiet_s=0.5, enable_chunked_prefill=True),
+        SchedulerOptions(executors=("a:1", "b:2"), store_budget_s=5.0, max_queue_wait_s=0.0),
+        TlsOptions("c.pem", "k.pem", "ca.pem", tls_client_auth=True, tls_http=False),
+    ],
+)
+def test_to_flags_is_read_back_as_the_same_options(options) -> None:
+    """What `serve` hands its executor: switches, renamed flags, tuples and enums survive."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, type(options))
+    assert from_args(type(options), parser.parse_args(to_flags(options))) == options
 
 
 def test_the_environment_sets_what_the_command_line_leaves(monkeypatch) -> None:
