@@ -13,6 +13,8 @@ from torch import Tensor
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
+# The head sizes paged_attention.cu is instantiated for; others decode with torch ops.
+CUDA_DECODE_HEAD_DIMS = (64, 128)
 CPU_SOURCES = (
     "bindings.cpp",
     "paged_attention.cpp",
@@ -101,11 +103,16 @@ def paged_attention_decode(
 
     The new token's K/V must already be in the cache, which is read in place on either device.
     The cache may be in another dtype than the query: on CPU a float32 query reads a 16-bit
-    cache as it is, on GPU the query is rounded to the cache's dtype.
+    cache as it is, on GPU the query is rounded to the cache's dtype. On GPU a head size the
+    kernel lacks (a toy model's 16, Gemma 3's 256) takes ``decode_by_gather``.
     """
     _group_size(query, key_cache)
     if query.shape[0] == 0:
         return torch.empty_like(query)
+    if query.is_cuda and query.shape[2] not in CUDA_DECODE_HEAD_DIMS:
+        return decode_by_gather(
+            query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
+        )
     if query.is_cuda:
         out = cuda_extension().paged_attention_decode(
             query.to(key_cache.dtype),
@@ -212,6 +219,23 @@ def prefill_by_gather(
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, max_q, num_heads, head_dim)[valid].to(dtype)
+
+
+def decode_by_gather(
+    query: Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # [num_seqs, max_num_blocks] int32
+    context_lens: Tensor,  # [num_seqs] int32, >= 1, the new token included
+    scale: float,
+    sliding_window: int = 0,
+) -> Tensor:  # [num_seqs, num_heads, head_dim]
+    """``paged_attention_decode`` with torch ops on any device: a decode is a prefill of one
+    new token per sequence."""
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return prefill_by_gather(
+        query, key_cache, value_cache, block_tables, starts, context_lens, scale, sliding_window
+    )
 
 
 def _window_start(position: Tensor, sliding_window: int) -> Tensor:

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -56,7 +57,8 @@ void check_decode_inputs(const at::Tensor& query, const at::Tensor& key_cache,
               "query must be [num_seqs, num_heads, head_dim] on the caches' device and dtype");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", head_dim);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128,
+              "head_dim must be 64 or 128, got " + std::to_string(head_dim));
   TORCH_CHECK(key_cache.size(3) == head_dim, "cache head_dim differs from the query's");
   TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
               "num_heads must be a multiple of num_kv_heads");
@@ -117,7 +119,8 @@ at::Tensor paged_attention_decode(const at::Tensor& query_in, const at::Tensor& 
   int smem_limit = 0;
   cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
   TORCH_CHECK(paged_attention_smem_bytes(head_dim, group, partition) <= size_t(smem_limit),
-              "partition of ", partition, " tokens needs more shared memory than the device has");
+              "partition of " + std::to_string(partition) +
+                  " tokens needs more shared memory than the device has");
   const int max_parts = (max_blocks * static_cast<int>(block_size) + partition - 1) / partition;
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor exp_sums, max_logits, tmp_out;

@@ -1,10 +1,14 @@
 // Argument checks shared by the CPU and CUDA bindings: the paged caches, int index tensors and
 // the key/value rows written into the caches. Each raises a Python error naming the argument.
+// Numbers in messages go through std::to_string, never an ostream: on an H200 machine
+// (torch 2.11+cu130, g++ 13.3) an extension that streamed an integer into a TORCH_CHECK
+// message crashed inside the stream instead of raising; strings raised as they should.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 
 namespace pagedserve {
 
@@ -24,7 +28,7 @@ inline void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& valu
 inline void check_int_tensor(const at::Tensor& t, at::ScalarType dtype, int64_t dim,
                              const char* name, const at::Device& device) {
   TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(), name,
-              " must be a contiguous ", dim, "-d ", dtype, " tensor");
+              " must be a contiguous " + std::to_string(dim) + "-d ", dtype, " tensor");
   TORCH_CHECK(t.device() == device, name, " must be on ", device);
 }
 

@@ -34,7 +34,16 @@ class Choice:
         self.finish_reason = out.finish_reason or self.finish_reason
 
 
-VERSION = importlib.metadata.version("pagedserve")
+def _version() -> str:
+    """The installed distribution's version; a source tree run without installing (its
+    directory on PYTHONPATH) has none."""
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+source"
+
+
+VERSION = _version()
 # Which build answered, as OpenAI's responses say it; a new version may answer differently.
 SYSTEM_FINGERPRINT = f"pagedserve-{VERSION}"
 

@@ -107,6 +107,16 @@ def test_unsupported_head_dim_is_rejected(ext: ModuleType) -> None:
         )
 
 
+@pytest.mark.parametrize("head_dim", [16, 96, 256])
+def test_decode_of_other_head_sizes_takes_the_torch_path(head_dim: int) -> None:
+    kv = make_paged_kv([1, 300, 1000], 16, NUM_KV_HEADS, head_dim, device=DEVICE, seed=3)
+    query = _query(3, 2 * NUM_KV_HEADS, head_dim, torch.float32)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.1)
+    torch.testing.assert_close(
+        ops.paged_attention_decode(*args), _reference_decode(query, kv, 0.1), **TOL[torch.float32]
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_prefill_on_cuda_matches_reference(dtype: torch.dtype) -> None:
     seqs = [(1, 1), (300, 300), (1000, 17)]

@@ -144,6 +144,21 @@ def test_sliding_window_matches_reference(window: int) -> None:
         torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("head_dim", [16, 96, 256])
+def test_decode_by_gather_matches_reference(head_dim: int, window: int) -> None:
+    """The GPU's path for head sizes its kernel lacks (a toy model's 16, Gemma 3's 256)."""
+    context_lens = [1, 17, 300, 1000]
+    query, key_cache, value_cache, tables, lens = _decode_inputs(
+        context_lens, 16, head_dim, 3, torch.float32
+    )
+    if window:
+        tables = free_outside_window(tables, [n - 1 for n in context_lens], 16, window)
+    args = (query, key_cache, value_cache, tables, lens, head_dim**-0.5, window)
+    out = ops.decode_by_gather(*args)
+    torch.testing.assert_close(out, reference.paged_attention_decode(*args), **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("window", [1, 16, 40])
 def test_sliding_window_skips_freed_blocks(window: int) -> None:
     """Entries wholly before each first new token's window are -1 (freed by the scheduler):
