@@ -72,7 +72,7 @@ def redis_server(secrets: Path, tmp_path: Path) -> Iterator[int]:
     """redis-server with docker-compose.yml's command, the mount /etc/redis/secrets being
     ``secrets/redis`` and the port a free one."""
     if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed")
+        pytest.skip("redis-server (with TLS) is not installed (.ci/run installs it)")
     port = free_port()
     command = compose_config()["services"]["redis"]["command"]
     command = [a.replace("/etc/redis/secrets", str(secrets / "redis")) for a in command]
