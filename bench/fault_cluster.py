@@ -31,6 +31,7 @@ class ClusterConfig:
     store_budget_s: float = 30.0
     # Small enough that the overload scenario's minute fills it (the default is 1,024).
     max_waiting_requests: int = 128
+    finished_ttl_s: float = 3600.0  # the default; a soak shortens it to see the keys level off
     proxies: bool = True  # schedulers reach the executor and Redis through FaultProxies
 
 
@@ -70,6 +71,7 @@ class Cluster:
         """A new replica, once healthy; returns its URL."""
         flags = ["--store-budget", str(self.config.store_budget_s)]
         flags += ["--max-waiting-requests", str(self.config.max_waiting_requests)]
+        flags += ["--finished-ttl", str(self.config.finished_ttl_s)]
         store = self.redis.url
         if "redis" in self.proxies:
             store = f"redis://{self.proxies['redis'].address}/0"

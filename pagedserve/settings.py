@@ -405,6 +405,15 @@ class SchedulerOptions:
             "engine leader"
         ),
     )
+    finished_ttl_s: float = field(
+        default=3600.0,
+        metadata=_help(
+            "seconds a finished request's events and record stay in the state store, for "
+            "Last-Event-ID resumes and retries of its id: the store holds this many seconds' "
+            "worth of finished requests",
+            flag="finished_ttl",
+        ),
+    )
     store_budget_s: float = field(
         default=30.0,
         metadata=_help(
@@ -447,6 +456,8 @@ class SchedulerOptions:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
         if not self.max_queue_wait_s >= 0:
             raise ValueError("max_queue_wait must be >= 0")
+        if not self.finished_ttl_s > 0:
+            raise ValueError("finished_ttl must be > 0")
         if self.state_store is not None:
             check_redis_url(self.state_store)
 

@@ -97,8 +97,10 @@ class EngineFactory:
 
 def open_store(options: SchedulerOptions) -> StateStore:
     if options.state_store is None:
-        return InMemoryStateStore()
-    store = RedisStateStore(options.state_store, options.namespace)
+        return InMemoryStateStore(options.finished_ttl_s)
+    store = RedisStateStore(
+        options.state_store, options.namespace, finished_ttl_s=options.finished_ttl_s
+    )
     if not store.ping():
         raise ValueError(f"no Redis answers at {redacted(options.state_store)}")
     return store

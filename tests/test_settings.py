@@ -38,6 +38,12 @@ def test_scheduler_config_refuses_a_bad_decode_steps_setting(field: str, value: 
         SchedulerConfig(**{field: value})
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan])
+def test_finished_requests_must_stay_a_while(value: float) -> None:
+    with pytest.raises(ValueError, match="finished_ttl"):
+        SchedulerOptions(finished_ttl_s=value)
+
+
 def test_offline_engines_look_ahead_at_once_and_servers_after_a_quiet_spell() -> None:
     assert SchedulerConfig().decode_steps_quiet_s == 0.0  # every request is there from the start
     for command in ("serve", "scheduler"):
@@ -127,7 +133,9 @@ def test_flags_build_the_options() -> None:
         EngineOptions(free_outside_window=False),
         EngineOptions(preemption_mode=PreemptionMode.SWAP, enable_prefix_caching=False),
         EngineOptions(decode_steps_quiet_s=0.5, enable_chunked_prefill=True),
-        SchedulerOptions(executors=("a:1", "b:2"), store_budget_s=5.0, max_queue_wait_s=0.0),
+        SchedulerOptions(
+            executors=("a:1", "b:2"), store_budget_s=5.0, max_queue_wait_s=0.0, finished_ttl_s=90
+        ),
         TlsOptions("c.pem", "k.pem", "ca.pem", tls_client_auth=True, tls_http=False),
     ],
 )

@@ -186,7 +186,7 @@ class RedisStateStore:
         *,
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
-        finished_ttl_s: int | None = 3600,
+        finished_ttl_s: float | None = 3600.0,
     ) -> None:
         """Connect lazily to `url` (redis://host:port/db).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -11,6 +12,8 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from pagedserve.settings import SchedulerOptions
+from scheduler_svc.service import open_store
 from scheduler_svc.state.redis_store import RedisStateStore
 from scheduler_svc.state.state_store import (
     InMemoryStateStore,
@@ -412,17 +415,23 @@ def test_redis_drop_lane_deletes_its_keys(
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("finished_ttl_s", [None, 90.0])
 def test_redis_finished_request_keys_expire(
-    namespace: str, redis_store: OpenStore, redis_client: redis.Redis
+    namespace: str, redis_url: str, redis_client: redis.Redis, finished_ttl_s: float | None
 ) -> None:
-    store = redis_store(namespace)
+    """After an hour by default, or --finished-ttl as the service opens its store."""
+    options = SchedulerOptions(state_store=redis_url, namespace=namespace)
+    if finished_ttl_s is not None:
+        options = dataclasses.replace(options, finished_ttl_s=finished_ttl_s)
+    store = open_store(options)
     store.submit_request("r", "{}")
     epoch = store.begin_epoch()
     store.commit(StepCommit(epoch, 1, upsert_groups={"r": "{}"}, new_requests_consumed=["r"]))
     store.commit(StepCommit(epoch, 2, delete_groups=["r"], events=[("r", ev(1))]))
-    client = redis_client
+    store.close()
+    ttl_ms = (finished_ttl_s or 3600) * 1000
     for key in (f"{namespace}:events:r", f"{namespace}:request:r"):
-        assert 0 < client.pttl(key) <= 3600 * 1000
+        assert ttl_ms - 60_000 < redis_client.pttl(key) <= ttl_ms
 
 
 def test_aborts_are_taken_once_in_order(store: StateStore) -> None:
