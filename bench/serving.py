@@ -436,9 +436,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="--client vllm: output tokens")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"some of {SYSTEMS} (--client vllm: of {CLIENT_SYSTEMS})",
+    )
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
     args = p.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
+    args.systems = args.systems.split(",")
+    if unknown := set(args.systems) - set(SYSTEMS):
+        p.error(f"unknown systems {sorted(unknown)}; choose among {SYSTEMS}")
     return args
 
 
@@ -447,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.client == "vllm":
         return main_vllm_client(args)
     trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
-    systems = {name: run_system(name, trace, args) for name in SYSTEMS}
+    systems = {name: run_system(name, trace, args) for name in SYSTEMS if name in args.systems}
     print(
         f"{args.preset}: up to {args.num_requests} requests per rate within {args.duration:g} s "
         f"(+{args.drain:g} s drain), streaming, model {args.model}, fp32"
@@ -462,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_vllm_client(args: argparse.Namespace) -> int:
-    systems = {name: run_system(name, None, args) for name in CLIENT_SYSTEMS}
+    systems = {
+        name: run_system(name, None, args) for name in CLIENT_SYSTEMS if name in args.systems
+    }
     if args.client_dataset == "sharegpt":
         requests = "requests of the sharegpt preset's lengths (a ShareGPT-format file)"
     else:

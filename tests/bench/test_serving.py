@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import vllm_client
+from bench import serving, vllm_client
 from bench.common import load_trace, percentile, poisson_arrivals
 from bench.serving import RequestRecord, summarize
 
@@ -106,3 +106,9 @@ def test_vllm_client_without_its_venv_skips_every_system(tmp_path: Path) -> None
     systems = json.loads(out.read_text())["systems"]
     assert all("--vllm-python" in s["skipped"] for s in systems.values())
     assert "TPOT p99 ms" in done.stdout and out.with_suffix(".png").exists()
+
+
+def test_systems_are_chosen_by_name() -> None:
+    assert serving.parse_args(["--systems", "pagedserve"]).systems == ["pagedserve"]
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--systems", "pagedserve,tgi"])
