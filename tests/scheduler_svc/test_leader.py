@@ -178,10 +178,12 @@ def test_old_leader_epoch_is_refused_after_a_takeover(store: RedisStateStore) ->
 
 _PAUSABLE_LEADER = """
 import sys, threading, time
+from pagedserve.log import configure_logging
 from scheduler_svc.state.leader import LeaderLease, LeaseKeeper
 from scheduler_svc.state.redis_store import RedisStateStore
 from scheduler_svc.state.state_store import StaleEpochError, StepCommit
 
+configure_logging()  # to stderr: a log line written beside a marker could split it
 store = RedisStateStore(sys.argv[1], namespace=sys.argv[2])
 lost = threading.Event()
 keeper = LeaseKeeper(LeaderLease(store, float(sys.argv[3]), "paused"), on_lost=lost.set)
@@ -225,7 +227,7 @@ def test_paused_leader_wakes_up_fenced_and_steps_down(
 
 
 def _marked(lines: Iterable[str]) -> Iterator[str]:
-    """The child's own lines: its log lines go to stdout too."""
+    """The child's markers among whatever else reaches its stdout."""
     return (line[2:].strip() for line in lines if line.startswith("@ "))
 
 
