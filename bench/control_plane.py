@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    # Run as `python bench/control_plane.py`: bench/kernels.py would shadow `kernels`.
+    # Run as a script: the repository root on the path, for `bench` and `tests`.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import httpx

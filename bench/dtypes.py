@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py shadows kernels
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # for `bench` and `tests`
 
 from bench import peers
 from bench.common import Run, close_llm, load_trace, print_table, time_offline, write_json

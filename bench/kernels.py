@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Paged decode attention (kernels.ops) against contiguous attention on the same data.
+"""Paged decode attention (pagedserve_kernels.ops) against contiguous attention on the same data.
 
 For each (batch, context) the same K/V are laid out twice: scattered over a shuffled block pool
 read through block tables, and contiguously as [batch, num_kv_heads, context, head_dim] for
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as `python bench/kernels.py`: this file's directory would shadow the `kernels` package.
+    # Run as a script: the repository root on the path, for `bench` and `tests`.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench.common import median_ms, write_json
-from kernels import ops
+from pagedserve_kernels import ops
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (128, 512, 1024, 2048, 4096)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The C++ linear kernel (kernels.layer_ops on CPU, fp32, packed weights) against torch's
+"""The C++ linear kernel (pagedserve_kernels.layer_ops on CPU, fp32, packed weights) against torch's
 sgemm on the same products, by row count; --weight-dtype bfloat16 or float16 packs the kernel's
 weights in 16 bits (sgemm gets them rounded, in fp32).
 
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as `python bench/linear.py`: this file's directory would shadow the `kernels` package.
+    # Run as a script: the repository root on the path, for `bench` and `tests`.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from bench.common import median_ms, print_table, write_json
 from executor_svc import host_memory
-from kernels import layer_ops
+from pagedserve_kernels import layer_ops
 
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # (in_features, out_features) of SmolLM2-135M: q/k/v and gate/up fused as the model runs them.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as `python bench/memory_waste.py`: bench/kernels.py would shadow `kernels`.
+    # Run as a script: the repository root on the path, for `bench` and `tests`.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from tqdm import tqdm

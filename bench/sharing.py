@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    # Run as `python bench/sharing.py`: bench/kernels.py would shadow the `kernels` package.
+    # Run as a script: the repository root on the path, for `bench` and `tests`.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench import block_size as sweep

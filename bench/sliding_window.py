@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    # Run as `python bench/sliding_window.py`: bench/kernels.py would shadow `kernels`.
+    # Run as a script: the repository root on the path, for `bench` and `tests`.
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench.common import close_llm, print_table, progress, pyplot, write_json

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import ops
+from pagedserve_kernels import ops
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc import host_memory
-from kernels import ops
 from pagedserve.step import BlockPairs
+from pagedserve_kernels import ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -15,8 +15,8 @@ from executor_svc.models.layers import CausalLM
 from executor_svc.parallel import Shard
 from executor_svc.prompt_scorer import score_prompts
 from executor_svc.sampler import Sampler
-from kernels import ops
 from pagedserve.step import SeqOutput, SeqStep
+from pagedserve_kernels import ops
 
 
 @dataclass(slots=True)

@@ -6,9 +6,9 @@ import hashlib
 
 import torch
 
-from kernels import sampling_ops
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SeqOutput, SeqStep
+from pagedserve_kernels import sampling_ops
 
 
 class Sampler:

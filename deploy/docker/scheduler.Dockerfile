@@ -15,7 +15,7 @@ COPY pyproject.toml README.md ./
 COPY pagedserve ./pagedserve
 COPY scheduler_svc ./scheduler_svc
 COPY executor_svc ./executor_svc
-COPY kernels ./kernels
+COPY pagedserve_kernels ./pagedserve_kernels
 # The tokenizer the executor's default model uses, read through the project's own loader.
 # hadolint ignore=DL3013
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.5" \
@@ -47,7 +47,7 @@ RUN python deploy/docker/requirements.py pyproject.toml --without torch accelera
 COPY pagedserve ./pagedserve
 COPY scheduler_svc ./scheduler_svc
 COPY executor_svc ./executor_svc
-COPY kernels ./kernels
+COPY pagedserve_kernels ./pagedserve_kernels
 RUN pip install --no-deps .
 COPY --from=tokenizer /tokenizer /opt/pagedserve/tokenizer
 

@@ -1,5 +1,6 @@
-"""Layers every model family shares: projections and norms through kernels.layer_ops, rotary
-tables, and the causal-LM shell (embedding, logits, packing, loading a transformers state dict)."""
+"""Layers every model family shares: projections and norms through
+pagedserve_kernels.layer_ops, rotary tables, and the causal-LM shell (embedding, logits,
+packing, loading a transformers state dict)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels import layer_ops
+from pagedserve_kernels import layer_ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.layer_ops, whose CPU kernel wants the weight packed."""
+    """nn.Linear through pagedserve_kernels.layer_ops, whose CPU kernel wants the weight packed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in_features]
         return layer_ops.linear(x, self.weight, self.bias, self.out_features)

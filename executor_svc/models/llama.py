@@ -16,9 +16,9 @@ from executor_svc.models.layers import (
     RotaryEmbedding,
     rope_frequencies,
 )
-from kernels import layer_ops
-from kernels.ops import cpu_extension
 from pagedserve.architectures import DecoderSpec, decoder_spec
+from pagedserve_kernels import layer_ops
+from pagedserve_kernels.ops import cpu_extension
 
 
 class LlamaAttention(nn.Module):

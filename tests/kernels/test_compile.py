@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "pagedserve_kernels" / "csrc"
 SOURCES = [*sorted(CSRC.glob("*.cu")), CSRC / "bindings.cpp"]
 ARCHS = ("80", "90", "100")
 

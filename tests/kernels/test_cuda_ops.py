@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops, reference
+from pagedserve_kernels import ops, reference
 from tests.kernels.cases import PagedKV, as_bytes, free_outside_window, make_paged_kv, random_bytes
 
 pytestmark = [

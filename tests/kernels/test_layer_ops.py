@@ -1,4 +1,4 @@
-"""kernels.layer_ops (C++ on CPU in fp32) against the float64 reference.
+"""pagedserve_kernels.layer_ops (C++ on CPU in fp32) against the float64 reference.
 
 Tolerances: fp32 accumulation over a few hundred terms, atol 1e-5 rtol 1e-4; silu and the rotary
 tables add a couple of ulp.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import layer_ops, reference
-from kernels.ops import cpu_extension
+from pagedserve_kernels import layer_ops, reference
+from pagedserve_kernels.ops import cpu_extension
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 SHAPES = [(64, 9), (72, 13), (576, 960), (1536, 576)]  # (in_features, out_features)

@@ -1,4 +1,4 @@
-"""CPU kernels of kernels.ops (the C++ extension) against the naive reference.
+"""CPU kernels of pagedserve_kernels.ops (the C++ extension) against the naive reference.
 
 Tolerances: both accumulate in >= fp32 from the same inputs and round the output once:
 fp32 atol 1e-5 rtol 1e-4, fp16 atol 2e-3 rtol 2e-3, bf16 atol 1.6e-2 rtol 1.6e-2.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops, reference
+from pagedserve_kernels import ops, reference
 from tests.kernels.cases import as_bytes, free_outside_window, make_paged_kv, random_bytes
 
 NUM_KV_HEADS = 2

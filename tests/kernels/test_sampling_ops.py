@@ -1,11 +1,12 @@
-"""kernels.sampling_ops.greedy (C++ on CPU in fp32) against argmax and log_softmax in float64."""
+"""pagedserve_kernels.sampling_ops.greedy (C++ on CPU in fp32) against argmax and log_softmax
+in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import sampling_ops
+from pagedserve_kernels import sampling_ops
 
 
 def _expected(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
