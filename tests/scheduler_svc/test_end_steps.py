@@ -4,8 +4,11 @@ its current step (EndSteps), on real processes: `pagedserve serve` with the tiny
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -54,13 +57,22 @@ def test_arrivals_end_calls_early_and_change_no_output(server):
         target=lambda: result.update(text=stream_text(url, long_body, started))
     )
     streamer.start()
+    sent = []  # (which short request, its future answer)
     try:
         assert started.wait(60)
-        # Each arrives while the long stream's calls run: at once, since on a fast machine
-        # its 900 tokens take well under a second.
-        answers = [complete(url, body) for body in short_bodies]
+        # Short requests arrive every 30 ms while the long stream's calls run, whenever
+        # its calls start and end (on a fast machine its 900 tokens take under a second).
+        with ThreadPoolExecutor(8) as pool:
+            for i in itertools.islice(itertools.cycle(range(len(short_bodies))), 40):
+                if not streamer.is_alive():
+                    break
+                sent.append((i, pool.submit(complete, url, short_bodies[i])))
+                time.sleep(0.03)
+            answers = [(i, future.result()) for i, future in sent]
     finally:
         streamer.join(timeout=300)
-    assert metric(executor_metrics, "executor_steps_ended_early_total") > before
-    assert [result["text"], *answers] == alone
+    ended = metric(executor_metrics, "executor_steps_ended_early_total") > before
+    assert ended, f"{len(answers)} short requests, none ended a call early"
+    assert result["text"] == alone[0]
+    assert [text for _, text in answers] == [alone[1 + i] for i, _ in answers]
     assert used_blocks(url) == 0
