@@ -52,6 +52,7 @@ def test_arrivals_end_calls_early_and_change_no_output(server):
     short_bodies = [SHORT | {"model": model, "prompt": f"Question {i}:"} for i in range(4)]
     alone = [complete(url, body) for body in [long_body, *short_bodies]]
     before = metric(executor_metrics, "executor_steps_ended_early_total")
+    calls_before = metric(executor_metrics, "executor_step_seconds_count")
     started, result = threading.Event(), {}
     streamer = threading.Thread(
         target=lambda: result.update(text=stream_text(url, long_body, started))
@@ -72,7 +73,8 @@ def test_arrivals_end_calls_early_and_change_no_output(server):
     finally:
         streamer.join(timeout=300)
     ended = metric(executor_metrics, "executor_steps_ended_early_total") > before
-    assert ended, f"{len(answers)} short requests, none ended a call early"
+    calls = metric(executor_metrics, "executor_step_seconds_count") - calls_before
+    assert ended, f"{len(answers)} short requests, none ended a call early; {calls} calls"
     assert result["text"] == alone[0]
     assert [text for _, text in answers] == [alone[1 + i] for i, _ in answers]
     assert used_blocks(url) == 0
