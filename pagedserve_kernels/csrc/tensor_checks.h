@@ -1,8 +1,9 @@
 // Argument checks shared by the CPU and CUDA bindings: the paged caches, int index tensors and
 // the key/value rows written into the caches. Each raises a Python error naming the argument.
-// Numbers in messages go through std::to_string, never an ostream: on an H200 machine
-// (torch 2.11+cu130, g++ 13.3) an extension that streamed an integer into a TORCH_CHECK
-// message crashed inside the stream instead of raising; strings raised as they should.
+// Numbers in these messages and the CUDA bindings' go through std::to_string, never an
+// ostream: on an H200 machine (torch 2.11+cu130, g++ 13.3) an extension that streamed an
+// integer into a TORCH_CHECK message crashed inside the stream instead of raising; strings
+// raised as they should. The CPU kernels' own messages still stream theirs.
 #pragma once
 
 #include <torch/extension.h>
