@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from executor_svc.cache_engine import CacheEngine, CacheShape
-from executor_svc.executor import Executor
+from executor_svc.executor import Executor, StepEnds
 from executor_svc.model_runner import ModelRunner
 from executor_svc.server import serve
 from pagedserve.flags import add_flags, from_args
@@ -73,7 +73,7 @@ class StandInExecutor(Executor):
         self.workers, self.shard = None, None
         self.cache: CacheEngine | None = None
         self.runner: ModelRunner | None = None
-        self._end_step_id: int | None = None
+        self.ends = StepEnds()
 
     def _init_cache(self) -> ModelInfo:
         shape = CacheShape(1, 1, 1, self.config.block_size, self.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -62,7 +63,7 @@ class Executor:
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.cache: CacheEngine | None = None
         self.runner: ModelRunner | None = None
-        self._end_step_id: int | None = None  # see end_steps
+        self.ends = StepEnds()
 
     def init_cache(self) -> ModelInfo:
         """Allocate the KV pool and the swap pool from the configured budget.
@@ -113,6 +114,7 @@ class Executor:
         """Swap out, swap in, copy on write, in that order; then the forward pass. One
         output per sequence in request order, a refused grammar's in its sequence's place."""
         cache, runner = self._pools()
+        self.ends.epoch = step.epoch
         order = {seq.seq_id: index for index, seq in enumerate(step.seqs)}  # of the outputs
         refused = self._check_grammars(step)
         if refused:  # the other ranks get the step without them
@@ -121,7 +123,8 @@ class Executor:
             cache.swap_out(step.blocks_to_swap_out)
             cache.swap_in(step.blocks_to_swap_in)
             cache.copy(step.blocks_to_copy)
-            outputs = runner.execute(step.seqs, lambda: self._end_step_id == step.step_id)
+            outputs = runner.execute(step.seqs, lambda: self.ends.covers(step))
+        self.ends.ran(step)
         outputs += [SeqOutput(seq_id, [], [], error=why) for seq_id, why in refused.items()]
         return StepResult(step.step_id, sorted(outputs, key=lambda o: order[o.seq_id]))
 
@@ -144,10 +147,11 @@ class Executor:
             return None
         return GrammarMasks(tokenizer, self.model.config.vocab_size, self.eos_token_id)
 
-    def end_steps(self, step_id: int) -> None:
-        """Have step ``step_id``, running or next, stop its decode steps in a row after the
-        current one. Safe from another thread while the step runs: the step only reads it."""
-        self._end_step_id = step_id
+    def end_steps(self, step_id: int, epoch: int | None = None) -> None:
+        """Have every step up to ``step_id`` of ``epoch`` (None: the last step's), running
+        or queued, stop its decode steps in a row after the current one. Safe from
+        another thread while a step runs."""
+        self.ends.ask(step_id, epoch)
 
     def copy_blocks(self, pairs: BlockPairs) -> None:
         """Copy-on-write ``(src, dst)`` pairs in the KV pool outside a step."""
@@ -200,6 +204,31 @@ class Executor:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.9)
         return GiB
+
+
+class StepEnds:
+    """Which steps stop their decode steps in a row after the current one: every step up
+    to a named one of its epoch (a later epoch's are not ended, whatever their ids), until
+    a step at or past it has run (a later engine's step ids may start again at 0)."""
+
+    _NONE = (-1, -1)
+
+    def __init__(self) -> None:
+        self.epoch = 0  # the last step's: end_steps without an epoch means this one
+        self._before = self._NONE  # (epoch, step_id)
+        self._lock = threading.Lock()
+
+    def ask(self, step_id: int, epoch: int | None = None) -> None:
+        with self._lock:
+            self._before = (self.epoch if epoch is None else epoch, step_id)
+
+    def covers(self, step: ExecuteStep) -> bool:
+        return (step.epoch, step.step_id) <= self._before
+
+    def ran(self, step: ExecuteStep) -> None:
+        with self._lock:
+            if (step.epoch, step.step_id) >= self._before:
+                self._before = self._NONE
 
 
 class _NoSampler:

@@ -71,6 +71,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.thread = thread
         self.info: ModelInfo | None = None
         self.ledger = StepLedger()
+        self._last_applied: tuple[ExecuteStep, StepResult] | None = None  # see _fill_followers
         self.stats = ExecutorStats(instance_id=secrets.token_hex(8))
         self.metrics = ExecutorMetrics()
         self.lock = asyncio.Lock()
@@ -124,24 +125,57 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         return result_to_pb(await self._locked(context, self._execute, request))
 
     def _execute(self, request: pb.ExecuteRequest) -> StepResult:
-        step, fingerprint = self._checked_step(request)
-        if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
-            return self._replay(step)
-        return self._apply(step, fingerprint)
-
-    def _checked_step(self, request: pb.ExecuteRequest) -> tuple[ExecuteStep, bytes]:
-        """The request as a step fit for the pools, and its fingerprint; mutates nothing, so
-        a refused call leaves the epoch, the ledger and the pools as they were."""
+        """Judged before it is checked: a replay was checked when it was applied, and a
+        step that follows another is complete only once its followers are filled in.
+        Nothing is mutated before the step is applied, so a refused call leaves the epoch,
+        the ledger and the pools as they were."""
         info = self._ready_info()
         try:
             step = step_from_pb(request)
         except ValueError as e:  # SamplingParams refused a field
             raise InvalidArgument(str(e)) from None
+        fingerprint = _fingerprint(request)
+        if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
+            return self._replay(step, fingerprint)
+        self._fill_followers(step)
         validate_step(step, info)
-        return step, _fingerprint(request)
+        return self._apply(step, fingerprint)
 
-    def _replay(self, step: ExecuteStep) -> StepResult:
-        result = self.ledger.adopt(step.epoch)
+    def _fill_followers(self, step: ExecuteStep) -> None:
+        """Give each sequence that ``follows`` the last token the previous step drew for it,
+        at the position after that step's last one: the scheduler sent this step before
+        it read that step's answer."""
+        followers = [(i, seq) for i, seq in enumerate(step.seqs) if seq.follows]
+        if step.follows_step_id is None:
+            if followers:
+                raise InvalidArgument(f"seqs[{followers[0][0]}].follows: no follows_step_id")
+            return
+        last = self._last_applied
+        if last is None or (last[0].step_id, last[0].epoch) != (step.follows_step_id, step.epoch):
+            applied = "none" if last is None else f"step {last[0].step_id} of epoch {last[0].epoch}"
+            raise PreconditionFailed(
+                f"step {step.step_id} follows step {step.follows_step_id} of epoch {step.epoch}, "
+                f"but the last applied is {applied}"
+            )
+        before, result = last
+        outputs = {output.seq_id: output for output in result.outputs if output.token_ids}
+        drawn = {
+            seq.seq_id: (seq, outputs[seq.seq_id])
+            for seq in before.seqs
+            if seq.num_samples == 1 and seq.seq_id in outputs
+        }
+        for index, seq in followers:
+            if seq.seq_id not in drawn:
+                raise InvalidArgument(
+                    f"seqs[{index}].follows: step {before.step_id} drew no token for "
+                    f"seq {seq.seq_id}"
+                )
+            prior, output = drawn[seq.seq_id]
+            seq.new_token_ids = [output.token_ids[-1]]
+            seq.num_computed_tokens = prior.context_len + len(output.token_ids) - 1
+
+    def _replay(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
+        result = self.ledger.adopt(step.step_id, step.epoch, fingerprint)
         self.stats.epoch = self.ledger.epoch
         self.stats.num_replayed_steps += 1
         self.metrics.replayed_steps.inc()
@@ -153,6 +187,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         result = self.executor.execute(step)
         elapsed = time.perf_counter() - start
         self.ledger.record(step.step_id, step.epoch, fingerprint, result)
+        self._last_applied = (step, result)
         s = self.stats
         s.epoch, s.num_steps = self.ledger.epoch, s.num_steps + 1
         s.last_step_id, s.last_step_seconds = step.step_id, elapsed
@@ -180,8 +215,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     async def EndSteps(
         self, request: pb.EndStepsRequest, context: grpc.aio.ServicerContext
     ) -> pb.EndStepsResponse:
-        """Outside the lock, which the step it ends holds while it runs."""
-        self.executor.end_steps(request.step_id)
+        """Outside the lock, which the step it ends holds while it runs; the steps sent
+        after it (up to ``step_id``) end after their first step too."""
+        self.executor.end_steps(request.step_id, self.ledger.epoch)
         return pb.EndStepsResponse()
 
     async def CopyBlocks(

@@ -79,6 +79,8 @@ def _validate_samples(seq: SeqStep, name: str, info: ModelInfo) -> None:
         )
     if seq.num_steps < 1:
         raise InvalidArgument(f"{name}.num_steps: {seq.num_steps} < 1")
+    if seq.follows and (seq.num_samples != 1 or seq.sampling_params.use_beam_search):
+        raise InvalidArgument(f"{name}.follows: a sequence that follows draws one sample, no beams")
     if seq.num_steps > 1 and (seq.num_samples > 1 or seq.sampling_params.use_beam_search):
         raise InvalidArgument(
             f"{name}.num_steps: {seq.num_steps} steps in a row need one sample and no beams"
@@ -145,16 +147,17 @@ class _Applied:
 
 
 class StepLedger:
-    """The newest epoch seen and the last applied step with its result.
+    """The newest epoch seen and the last two applied steps with their results (a
+    scheduler that sends a step before the one before it has answered may resend both).
 
     A step ``(epoch e, step_id s)`` is judged against the newest epoch seen ``E`` and the
     last applied step ``(e0, s0)``, in this order:
 
     1. ``e < E``: refused -- a fenced scheduler from an older epoch.
-    2. ``s == s0`` with the same content: a replay; the stored result is answered and
-       nothing is applied. This holds in a newer epoch too, so a restarted scheduler
-       that replays its pending step gets the result its predecessor lost, and the
-       step then counts as that epoch's last applied one.
+    2. ``s`` is one of the two kept steps' ids, with the same content: a replay; the
+       stored result is answered and nothing is applied. This holds in a newer epoch too,
+       so a restarted scheduler that replays its pending step gets the result its
+       predecessor lost, and the step then counts as that epoch's last applied one.
     3. ``e == e0`` and ``s <= s0``: refused -- out of order, or an id reused for
        different content.
     4. Otherwise the step is applied. A new epoch may restart its step ids anywhere.
@@ -166,7 +169,7 @@ class StepLedger:
 
     def __init__(self) -> None:
         self.epoch = 0
-        self._last: _Applied | None = None
+        self._kept: list[_Applied] = []  # oldest first, at most two
 
     def judge(self, step_id: int, epoch: int, fingerprint: bytes) -> StepResult | None:
         """Return the stored result of a replay, or None for a step to apply; mutates nothing.
@@ -175,11 +178,12 @@ class StepLedger:
         """
         if epoch < self.epoch:
             raise PreconditionFailed(f"epoch {epoch} is older than the newest seen, {self.epoch}")
-        last = self._last
-        if last is None:
+        if not self._kept:
             return None
-        if step_id == last.step_id and fingerprint == last.fingerprint:
-            return last.result
+        for kept in self._kept:
+            if step_id == kept.step_id and fingerprint == kept.fingerprint:
+                return kept.result
+        last = self._kept[-1]
         if epoch == last.epoch and step_id <= last.step_id:
             reason = "reused with different content" if step_id == last.step_id else "out of order"
             raise PreconditionFailed(
@@ -196,18 +200,20 @@ class StepLedger:
         if epoch < self.epoch:
             raise PreconditionFailed(f"epoch {epoch} is older than the newest seen, {self.epoch}")
         self.epoch = epoch
-        return None if self._last is None else self._last.step_id
+        return self._kept[-1].step_id if self._kept else None
 
-    def adopt(self, epoch: int) -> StepResult:
-        """Answer a replay judged in ``epoch``: the last applied step becomes that epoch's
-        last one, and ``epoch`` the newest seen."""
-        assert self._last is not None, "only a judged replay is adopted"
-        self._last.epoch = epoch
+    def adopt(self, step_id: int, epoch: int, fingerprint: bytes) -> StepResult:
+        """Answer a replay of ``step_id`` judged in ``epoch``: in a newer epoch the step
+        becomes that epoch's last one, and ``epoch`` the newest seen."""
+        kept = next(k for k in self._kept if (k.step_id, k.fingerprint) == (step_id, fingerprint))
+        if epoch > kept.epoch:
+            kept.epoch = epoch
+            self._kept = [kept]  # the other one belongs to the old epoch's order
         self.epoch = max(self.epoch, epoch)
-        return self._last.result
+        return kept.result
 
     def record(self, step_id: int, epoch: int, fingerprint: bytes, result: StepResult) -> None:
-        """Remember an applied step and its result (only the last one is kept), and its
-        epoch as the newest seen."""
-        self._last = _Applied(step_id, epoch, fingerprint, result)
+        """Remember an applied step and its result (the last two are kept), and its epoch
+        as the newest seen."""
+        self._kept = [*self._kept[-1:], _Applied(step_id, epoch, fingerprint, result)]
         self.epoch = max(self.epoch, epoch)

@@ -80,6 +80,7 @@ class SchedulerConfig:
     num_decode_steps: int = 8
     decode_steps_quiet_s: float = 0.0
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -137,6 +138,14 @@ class EngineOptions:
             flag="decode_steps_quiet",
         ),
     )
+    async_scheduling: bool = field(
+        default=True,
+        metadata=_help(
+            "decide and send an executor's next call while it runs the current one, so "
+            "that scheduling, applying tokens and the journal overlap the forward pass "
+            "(services only; the next call waits when it depends on the current one's tokens)"
+        ),
+    )
     preemption_mode: PreemptionMode | None = field(
         default=None,
         metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
@@ -169,6 +178,7 @@ class EngineOptions:
             num_decode_steps=self.num_decode_steps,
             decode_steps_quiet_s=self.decode_steps_quiet_s,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=self.async_scheduling,
         )
         return cache, scheduler
 

@@ -35,6 +35,10 @@ class SeqStep:
     drawn token is fed back at the next position, k tokens in all, so one round trip to
     the scheduler serves k decode steps. The table then maps k - 1 more positions.
 
+    A sequence that ``follows`` continues where the step before (``follows_step_id``)
+    left it, sent before that step's answer came back: the executor fills in
+    ``new_token_ids`` (the last token that step drew) and ``num_computed_tokens``.
+
     With ``sampling_params.prompt_logprobs`` set and ``prompt_token_ids`` sent, the
     executor also scores the prompt: the logits at each new position p score the prompt
     token at p + 1, for every p + 1 < len(prompt_token_ids) (see ``num_prompt_scored``).
@@ -54,6 +58,7 @@ class SeqStep:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_steps: int = 1
+    follows: bool = False
 
     @property
     def context_len(self) -> int:
@@ -102,6 +107,7 @@ class ExecuteStep:
     blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst), gpu pool
+    follows_step_id: int | None = None  # the step its ``follows`` sequences continue
 
 
 @dataclass(slots=True)

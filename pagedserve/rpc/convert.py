@@ -94,6 +94,7 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
         blocks_to_swap_out=pairs_to_pb(step.blocks_to_swap_out),
         blocks_to_swap_in=pairs_to_pb(step.blocks_to_swap_in),
         blocks_to_copy=pairs_to_pb(step.blocks_to_copy),
+        follows_step_id=step.follows_step_id,
     )
     last = known if known is not None else {}
     params: ParamsCache = {}
@@ -115,6 +116,7 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
             prompt_token_ids=s.prompt_token_ids,
             output_token_ids=s.output_token_ids,
             num_steps=s.num_steps,
+            follows=s.follows,
         )
     if known is not None:
         known.clear()
@@ -144,6 +146,7 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
                 prompt_token_ids=list(s.prompt_token_ids),
                 output_token_ids=list(s.output_token_ids),
                 num_steps=max(s.num_steps, 1),
+                follows=s.follows,
             )
         )
     return ExecuteStep(
@@ -153,6 +156,7 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
         blocks_to_swap_out=pairs_from_pb(m.blocks_to_swap_out),
         blocks_to_swap_in=pairs_from_pb(m.blocks_to_swap_in),
         blocks_to_copy=pairs_from_pb(m.blocks_to_copy),
+        follows_step_id=m.follows_step_id if m.HasField("follows_step_id") else None,
     )
 
 

@@ -134,6 +134,51 @@ class Scheduler:
         assert self._num_running_seqs() <= self.config.max_num_seqs, "seq budget exceeded"
         return out
 
+    def schedule_ahead(self, in_flight: dict[int, int]) -> SchedulerOutput | None:
+        """Decide the call after the one in flight before its tokens come back: every
+        running sequence goes on from the token that call draws for it (the executor feeds
+        it in), waiting groups are admitted behind them. ``in_flight`` maps each sequence
+        the call draws one sample for to the tokens it draws (its decode steps in a row).
+
+        None, changing nothing, when no sequence goes on (waiting groups are then admitted
+        by ``schedule``) or the next call depends on that call's outcome: a group it does
+        not draw for (a prompt chunk) or that may fork or needs its history (beams,
+        several samples, penalties, a grammar), anything swapped, or too few free blocks
+        for every sequence to go on (which would preempt).
+
+        The slots of the call in flight stay mapped; each sequence maps its next call's
+        on top, as if the call in flight drew all its tokens (it may end early or stop).
+        """
+        if self.swapped:
+            return None
+        k = self.config.num_decode_steps
+        if k > 1 and self.clock() - self.last_added < self.config.decode_steps_quiet_s:
+            k = 1
+        going = []
+        for group in self.running:
+            params = group.sampling_params
+            if params.width != 1 or params.use_beam_search or params.needs_output_tokens:
+                return None
+            (seq,) = group.get_seqs(SequenceStatus.RUNNING)
+            drawing = in_flight.get(seq.seq_id)
+            if drawing is None or group.needs_prompt_logprobs:
+                return None
+            num_steps = min(k, params.max_tokens - len(seq.output_token_ids) - drawing)
+            if num_steps > 0:  # else it ends by length with the call in flight
+                going.append((group, seq, drawing + num_steps - 1))
+        bm = self.block_manager
+        needed = sum(bm.blocks_to_append(seq, lookahead) for _, seq, lookahead in going)
+        if not going or bm.gpu.num_free_blocks - needed < bm.watermark_blocks:
+            return None
+        out = SchedulerOutput()
+        for group, seq, lookahead in going:
+            copy = bm.append_slots(seq, lookahead)
+            assert copy is None, "the call in flight already made the tail private"
+            out.scheduled.append(ScheduledGroup(group, is_prefill=False))
+            out.num_batched_tokens += 1
+        self._schedule_waiting(out)
+        return out
+
     # -- the three queues ------------------------------------------------------------
 
     def _schedule_running(self, out: SchedulerOutput) -> None:

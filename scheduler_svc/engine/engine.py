@@ -18,7 +18,7 @@ from scheduler_svc.core.output_processor import OutputProcessor, num_samples
 from scheduler_svc.core.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.engine.detokenizer import Detokenizer, find_stop
-from scheduler_svc.engine.executor_client import ExecutorError
+from scheduler_svc.engine.executor_client import ExecutorError, StepRefused
 from scheduler_svc.state.journal import Journal, restore_groups
 from scheduler_svc.state.persistence import PendingStep, RestoredGroup, step_from_json, step_to_json
 from scheduler_svc.state.state_store import StoredState
@@ -57,6 +57,7 @@ class EngineStats:
     num_mixed_steps: int = 0  # steps holding prefill and decode sequences together
     num_prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
     num_prompt_chunks: int = 0  # prompt chunks short of their prompt's end (chunked prefill)
+    num_steps_ahead: int = 0  # calls sent before the answer of the one before (async)
     preemptions: dict[str, int] = field(default_factory=dict)  # by mode
     execute_seconds: float = 0.0  # sending each step to its answer (with a journal: its commit)
     num_quarantined: int = 0  # stored requests recovery had to drop
@@ -71,6 +72,15 @@ class StepOutcome:
     text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
     deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Call:
+    """A step sent to the executor whose answer is not applied yet."""
+
+    out: SchedulerOutput
+    step: ExecuteStep
+    wait: Callable[[], StepResult]
 
 
 class StepExecutor(Protocol):
@@ -121,7 +131,12 @@ class LLMEngine:
         self.seq_ids = seq_ids if seq_ids is not None else IdCounter()
         self.processor = OutputProcessor(self.scheduler, eos_token_id, self.seq_ids)
         self._step_ids = IdCounter()
-        self._steps_in_a_row: int | None = None  # the call in flight, when it runs several
+        self._steps_in_a_row: int | None = None  # the newest call in flight running several
+        # Async scheduling: the call sent while the one before it runs (see step).
+        self.async_scheduling = scheduler_config.async_scheduling and isinstance(
+            executor, PipelinedExecutor
+        )
+        self._ahead: _Call | None = None
         self.epoch = 0
         self.stats = EngineStats()
         self.streams = StreamTracker()
@@ -199,7 +214,8 @@ class LLMEngine:
         return group
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Groups to run, or a call sent ahead whose answer is still to be read."""
+        return self.scheduler.has_unfinished() or self._ahead is not None
 
     def evacuate(self) -> list[tuple[SequenceGroup, int]]:
         """Take every unfinished group off this executor, reset to be recomputed elsewhere,
@@ -208,6 +224,7 @@ class LLMEngine:
         The groups stay in this engine's journal until the caller drops its lane, so a
         crash while they move loses none of them.
         """
+        self._ahead = None  # its work is redone where the groups go
         self.scheduler.recompute_all()
         moved, self.scheduler.waiting = self.scheduler.waiting, []
         self.flush()  # the last step's events, before another engine continues the stream
@@ -227,49 +244,112 @@ class LLMEngine:
             self.journal.take_over(group.request_id, source)
 
     def step(self) -> StepOutcome:
-        """Run one step: schedule, persist, execute, append tokens, detokenize, persist."""
+        """Run one step: schedule, persist, execute, append tokens, detokenize, persist.
+
+        With async scheduling the next call is decided and sent before this one's answer
+        is read, so that the executor finds it waiting when it finishes, and applying this
+        answer and journaling it overlap the next call (docs/architecture.md, "Async
+        scheduling"). Each call is then answered on the next ``step``.
+        """
         journal = self.journal
         if journal is not None:
             journal.crash_if_asked("before_persist")
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return self._apply(out, None, None)
-        step = self._build_step(out)
         start = time.perf_counter()
-        if any(s.num_steps > 1 for s in step.seqs):
-            self._steps_in_a_row = step.step_id
+        call, self._ahead = self._ahead, None
+        if call is None:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return self._apply(out, None, None)
+            call = self._send(out)
         try:
-            result = self._run(step, out)
+            if self.async_scheduling:
+                self._ahead = self._send_ahead(call)
+            self._steps_in_a_row = self._newest_in_a_row(call)
+            result = self._wait(call)
         except ExecutorRestarted as e:
+            self._ahead = None
             return self._recompute_all(e.instance_id)
+        except BaseException:
+            self._ahead = None  # its answer, if any, belongs to a call that failed
+            raise
         finally:
-            self._steps_in_a_row = None
+            self._steps_in_a_row = None if self._ahead is None else self._newest_in_a_row()
         self.stats.execute_seconds += time.perf_counter() - start
         if journal is not None:
             journal.crash_if_asked("after_execute")
-        return self._apply(out, step, result)
+        outcome = self._apply(call.out, call.step, result)
+        if self._ahead is not None and journal is not None:
+            # The state after this call, while the next one runs; the next is not pending
+            # (a new leader finds the executor past this commit and recomputes).
+            journal.commit(self.scheduler, self._meta(call.step.step_id))
+            journal.crash_if_asked("after_persist")
+        return outcome
 
-    def _run(self, step: ExecuteStep, out: SchedulerOutput) -> StepResult:
-        """Journal ``step`` and run it. A pipelined executor computes while the commit is
-        written (a successor's ``recover`` fences it and finds a step run past the
-        journal); any other executor gets the step once it is journaled."""
+    def _send(self, out: SchedulerOutput) -> _Call:
+        """Journal the step ``out`` decides and send it. A pipelined executor computes
+        while the commit is written (a successor's ``recover`` fences it and finds a step
+        run past the journal); any other executor gets the step once it is journaled, and
+        has answered when this returns."""
+        step = self._build_step(out)
         journal = self.journal
         if journal is None:
-            return self.executor.execute(step)
+            result = self.executor.execute(step)
+            return _Call(out, step, lambda: result)
         for group in [s.group for s in out.scheduled] + [g for g, _ in out.preempted]:
             journal.touch(group)
         pipelined = isinstance(self.executor, PipelinedExecutor)
-        call = self.executor.start(step) if pipelined else None
-        if call is not None:
-            journal.crash_if_asked("after_send", settle=call)
+        wait = self.executor.start(step) if pipelined else None
+        if wait is not None:
+            journal.crash_if_asked("after_send", settle=wait)
         journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
         journal.crash_if_asked("after_persist")
-        return call() if call is not None else self.executor.execute(step)
+        if wait is None:
+            result = self.executor.execute(step)
+            wait = lambda: result  # noqa: E731
+        return _Call(out, step, wait)
+
+    def _send_ahead(self, call: _Call) -> _Call | None:
+        """Decide and send the call after ``call`` while it runs; None when the next call
+        depends on its outcome (Scheduler.schedule_ahead). Sequences ``call`` draws for go
+        on from its last token, which the executor feeds in."""
+        drawing = {s.seq_id: s.num_steps for s in call.step.seqs if s.num_samples == 1}
+        out = self.scheduler.schedule_ahead(drawing)
+        if out is None:
+            return None
+        step = self._build_step(out, call.step.step_id, drawing)
+        if self.journal is not None:
+            for scheduled in out.scheduled:
+                self.journal.touch(scheduled.group)
+        wait = self.executor.start(step)
+        self.stats.num_steps_ahead += 1
+        if self.journal is not None:
+            self.journal.crash_if_asked("after_send", settle=wait)
+        return _Call(out, step, wait)
+
+    def _wait(self, call: _Call) -> StepResult:
+        """The answer of ``call``. A call sent ahead that the executor refused because it
+        reached it before the call it follows (resent after the connection dropped) is
+        sent again once that one is answered."""
+        try:
+            return call.wait()
+        except StepRefused:
+            if call.step.follows_step_id is None:
+                raise
+            log.warning("a call sent ahead was refused; sending it again", step=call.step.step_id)
+            return self.executor.execute(call.step)
+
+    def _newest_in_a_row(self, call: _Call | None = None) -> int | None:
+        """The id of the newest call in flight that decodes several steps in a row."""
+        for pending in (self._ahead, call):
+            if pending is not None and any(s.num_steps > 1 for s in pending.step.seqs):
+                return pending.step.step_id
+        return None
 
     def end_steps(self) -> None:
-        """A request arrived: have a call decoding several steps in a row stop after the
-        step it is running, so the newcomer waits one decode step, not all of them. Called
-        from other threads while ``step`` runs; a call that already answered is left be."""
+        """A request arrived: have the calls in flight decoding several steps in a row stop
+        after the step running, so the newcomer waits one decode step, not all of them.
+        Called from other threads while ``step`` runs; a call that already answered is
+        left be."""
         step_id = self._steps_in_a_row
         if step_id is not None:
             self.executor.end_steps(step_id)
@@ -289,6 +369,9 @@ class LLMEngine:
     ) -> StepOutcome:
         """Everything after Execute: tokens, forks, stops, text, events, commit 2."""
         outcome = StepOutcome(finished=list(out.ignored), preempted=list(out.preempted))
+        # Ended while the call ran (aborted, expired, or stopped by the call before a
+        # call sent ahead): what was drawn for them is dropped.
+        out.scheduled = [s for s in out.scheduled if not s.group.is_finished()]
         if step is not None and result is not None:
             refused = self._end_refused(out, result)
             self._count(out, step)
@@ -304,9 +387,12 @@ class LLMEngine:
                         self._detokenize(outcome, stops)
             if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
                 self._detokenize(outcome, outcome.groups)
-            if any(s.num_steps > 1 for s in step.seqs):  # ended early: slots it did not use
-                for group in outcome.groups:
-                    for seq in group.get_seqs(SequenceStatus.RUNNING):
+            # Slots mapped ahead that no call in flight will use (ended early, or the call
+            # sent ahead left the sequence out) go back.
+            ahead = set() if self._ahead is None else {s.seq_id for s in self._ahead.step.seqs}
+            for group in outcome.groups:
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    if seq.seq_id not in ahead:
                         self.scheduler.block_manager.unmap_ahead(seq)
             outcome.deltas += refused
         ended = {id(g) for g in outcome.finished}
@@ -349,9 +435,11 @@ class LLMEngine:
         return deltas
 
     def flush(self) -> None:
-        """Commit what the last step left (the engine is going idle)."""
+        """Commit what the last step left (the engine is going idle, or groups moved in).
+        The journal's step id is the last call applied: a call sent ahead is not in it."""
         if self.journal is not None and self.journal.has_deferred:
-            self.journal.commit(self.scheduler, self._meta(self._step_ids.value - 1))
+            newest = self._step_ids.value if self._ahead is None else self._ahead.step.step_id
+            self.journal.commit(self.scheduler, self._meta(newest - 1))
 
     def _meta(self, step_id: int) -> dict[str, str]:
         return {
@@ -489,13 +577,25 @@ class LLMEngine:
         for _, mode in out.preempted:
             stats.preemptions[mode.value] = stats.preemptions.get(mode.value, 0) + 1
 
-    def _build_step(self, out: SchedulerOutput) -> ExecuteStep:
-        seqs = [
-            self._seq_step(scheduled.group, index, seq)
-            for scheduled in out.scheduled
-            for index, seq in enumerate(scheduled.group.seqs)
-            if seq.status == SequenceStatus.RUNNING
-        ]
+    def _build_step(
+        self,
+        out: SchedulerOutput,
+        follows_step_id: int | None = None,
+        drawing: dict[int, int] | None = None,
+    ) -> ExecuteStep:
+        """The step ``out`` decides. Sent ahead of the call ``follows_step_id`` (which
+        draws ``drawing[seq_id]`` tokens for each sequence it samples), a decode of a
+        sequence it draws for follows it: the executor fills in the token and position."""
+        seqs = []
+        for scheduled in out.scheduled:
+            group = scheduled.group
+            for index, seq in enumerate(group.seqs):
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                if drawing is not None and not scheduled.is_prefill:
+                    seqs.append(self._follower(group, index, seq, drawing[seq.seq_id]))
+                else:
+                    seqs.append(self._seq_step(group, index, seq))
         return ExecuteStep(
             step_id=next(self._step_ids),
             epoch=self.journal.epoch if self.journal is not None else self.epoch,
@@ -503,6 +603,22 @@ class LLMEngine:
             blocks_to_swap_out=out.blocks_to_swap_out,
             blocks_to_swap_in=out.blocks_to_swap_in,
             blocks_to_copy=out.blocks_to_copy,
+            follows_step_id=follows_step_id,
+        )
+
+    def _follower(self, group: SequenceGroup, index: int, seq: Sequence, drawing: int) -> SeqStep:
+        """A sequence going on from the call in flight, which draws ``drawing`` tokens
+        for it: its table maps the slots of both calls (Scheduler.schedule_ahead)."""
+        num_slots = self.scheduler.block_manager.num_slots(seq)
+        return SeqStep(
+            seq_id=seq.seq_id,
+            new_token_ids=[],
+            num_computed_tokens=0,
+            block_table=list(self.scheduler.block_manager.get_block_table(seq)),
+            sampling_params=group.sampling_params,
+            sample_index=index,
+            num_steps=num_slots - (seq.get_len() + drawing) + 1,
+            follows=True,
         )
 
     def _seq_step(self, group: SequenceGroup, index: int, seq: Sequence) -> SeqStep:

@@ -326,7 +326,8 @@ def _send(
         request.epoch = max(0, before.epoch + epoch_offset)
         last = before.last_step_id if before.HasField("last_step_id") else 0
         request.step_id = {"last": last, "next": min(last + 1, UINT64), "max": UINT64}[step_choice]
-        precondition_ok = epoch_offset <= 0
+        # A step that follows another may not follow the last applied one.
+        precondition_ok = epoch_offset <= 0 or request.HasField("follows_step_id")
     if kind == "Fence":
         precondition_ok = request < 0
         request = pb.FenceRequest(epoch=max(0, before.epoch + request))

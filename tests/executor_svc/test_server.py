@@ -374,16 +374,150 @@ def test_copy_and_swap_blocks_count(server: Server) -> None:
 
 
 def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None:
-    """EndSteps names the step to end: sent before it runs (as an arrival can be), that
-    step stops after its first decode step; another step id leaves it whole."""
+    """EndSteps names the newest step to end: sent before it runs (as an arrival can be),
+    that step stops after its first decode step, and so does every earlier one still to
+    run (a call sent ahead); a later step runs whole."""
     client = server.client
     epoch = server.next_epoch()
     greedy = SamplingParams(temperature=0.0)
     whole = client.execute(_step(0, epoch, num_samples=1, num_steps=8, sampling_params=greedy))
-    client.end_steps(5).result()
+    client.end_steps(0).result()
     assert (
         len(client.execute(_step(1, epoch, num_samples=1, num_steps=8)).outputs[0].token_ids) == 8
     )
     client.end_steps(2).result()
     cut = client.execute(_step(2, epoch, num_samples=1, num_steps=8, sampling_params=greedy))
     assert cut.outputs[0].token_ids == whole.outputs[0].token_ids[:1]
+
+
+def _follower(step_id: int, epoch: int, follows: int, **seq_fields: object) -> ExecuteStep:
+    """One decode of seq 0 that goes on from step ``follows``: the executor fills in the
+    token and the position."""
+    step = _step(
+        step_id,
+        epoch,
+        new_token_ids=[],
+        num_samples=1,
+        follows=True,
+        sampling_params=SamplingParams(temperature=0.0),
+        **seq_fields,
+    )
+    return dataclasses.replace(step, follows_step_id=follows)
+
+
+def test_a_step_that_follows_equals_the_step_spelled_out(server: Server) -> None:
+    """Sent before the answer it follows was read (async scheduling), a step draws what
+    the same step with the token and position written out draws; a step of several
+    decodes in a row is followed from its last token."""
+    client = server.client
+    epoch = server.next_epoch()
+    greedy = SamplingParams(temperature=0.0)
+    first = _step(0, epoch, num_samples=1, num_steps=3, sampling_params=greedy)
+    drawn = client.execute(first).outputs[0].token_ids
+    spelled = _step(
+        1,
+        epoch,
+        new_token_ids=drawn[-1:],
+        num_computed_tokens=3 + len(drawn) - 1,
+        num_samples=1,
+        num_steps=2,
+        sampling_params=greedy,
+    )
+    want = client.execute(spelled).outputs[0].token_ids
+    client.execute(dataclasses.replace(first, step_id=2))
+    got = client.execute(_follower(3, epoch, follows=2, num_steps=2))
+    assert got.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize(
+    ("follows", "seq_fields", "code", "why"),
+    [
+        (4, {}, grpc.StatusCode.FAILED_PRECONDITION, "follows step 4 .* last applied is step 5"),
+        (None, {}, grpc.StatusCode.INVALID_ARGUMENT, "no follows_step_id"),
+        (5, {"seq_id": 9}, grpc.StatusCode.INVALID_ARGUMENT, "drew no token for seq 9"),
+    ],
+)
+def test_a_step_that_cannot_follow_is_refused(
+    server: Server, follows: int | None, seq_fields: dict, code: grpc.StatusCode, why: str
+) -> None:
+    client = server.client
+    epoch = server.next_epoch()
+    client.execute(_step(4, epoch, num_samples=1))
+    client.execute(_step(5, epoch, num_samples=1))
+    before = client.get_stats()
+    step = dataclasses.replace(
+        _follower(6, epoch, follows=0, **seq_fields), follows_step_id=follows
+    )
+    with pytest.raises(StepRefused, match=why) as refused:
+        client.execute(step)
+    assert refused.value.code == code
+    assert client.get_stats() == before
+
+
+def test_the_step_before_the_last_is_answered_again(server: Server) -> None:
+    """A scheduler that sent a step ahead may resend both after the connection drops:
+    the executor keeps the last two results."""
+    client = server.client
+    epoch = server.next_epoch()
+    older = client.execute(_step(7, epoch))
+    newer = client.execute(_step(8, epoch))
+    before = client.get_stats()
+    assert client.execute(_step(7, epoch)) == older
+    assert client.execute(_step(8, epoch)) == newer
+    after = client.get_stats()
+    assert after.num_steps == before.num_steps
+    assert after.num_replayed_steps == before.num_replayed_steps + 2
+
+
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_async_scheduling_over_grpc_matches_in_process(
+    server: Server, tiny_model_dir: Path, num_decode_steps: int
+) -> None:
+    """Calls sent ahead (each decode following the call before it, requests arriving
+    while others decode and ending by length at different steps) draw what one call at a
+    time in process draws: greedy and seeded tokens, and their logprobs."""
+    from executor_svc.executor import Executor
+
+    def run(executor: StepExecutor, info: ModelInfo, epoch: int) -> tuple[list, LLMEngine]:
+        cache = CacheConfig(
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
+        )
+        sched = SchedulerConfig(max_model_len=info.max_model_len, num_decode_steps=num_decode_steps)
+        engine = LLMEngine(executor, cache, sched, info.eos_token_id)
+        engine.epoch = epoch
+        rng = random.Random(1)
+        groups = []
+        for i in range(6):
+            prompt = [rng.randrange(3, info.vocab_size) for _ in range(3 + 7 * i)]
+            params = SamplingParams(
+                temperature=0.0 if i % 2 else 0.9,
+                seed=None if i % 2 else 11 + i,
+                max_tokens=9 + 5 * i,
+                ignore_eos=True,
+                logprobs=1,
+            )
+            groups.append(engine.add_request(str(i), prompt, params))
+            engine.step()  # the next request arrives while these run
+        while engine.has_unfinished():
+            engine.step()
+        outputs = [(s.output_token_ids, s.cumulative_logprob) for g in groups for s in g.seqs]
+        return outputs, engine
+
+    info = server.client.init_cache()
+    remote, engine = run(server.client, info, server.next_epoch())
+    assert engine.async_scheduling and engine.stats.num_steps_ahead > 0
+    local_executor = Executor(
+        ExecutorConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_gpu_blocks=NUM_GPU_BLOCKS,
+            swap_space=SWAP_GIB,
+        )
+    )
+    local, local_engine = run(local_executor, local_executor.init_cache(), 0)
+    assert not local_engine.async_scheduling
+    assert [tokens for tokens, _ in remote] == [tokens for tokens, _ in local]
+    assert [lp for _, lp in remote] == pytest.approx([lp for _, lp in local], abs=1e-4)
+    assert not engine.scheduler.block_manager.block_tables

@@ -313,3 +313,71 @@ def test_decode_steps_run_in_a_row_only_when_the_pool_has_their_blocks():
     step(scheduler, processor, executor)
     assert long.is_finished() and len(long.seqs[0].output_token_ids) == 13
     assert_pools_full(scheduler)
+
+
+def _in_flight(scheduler: Scheduler, out) -> dict[int, int]:
+    """What a call draws: each sampled sequence's decode steps (as the engine reads them
+    off its ExecuteStep)."""
+    bm = scheduler.block_manager
+    return {
+        seq.seq_id: bm.num_slots(seq) - seq.get_len() + 1
+        for s in out.scheduled
+        for seq in s.group.get_seqs(SequenceStatus.RUNNING)
+    }
+
+
+def test_the_call_ahead_maps_each_sequence_past_the_call_in_flight():
+    """Sent before the call in flight answers, the next call maps each sequence's slots
+    as if that call drew all its tokens, leaves out what ends by length within it, and
+    admits a newcomer behind them; the tables stay whole."""
+    scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=4)
+    bm = scheduler.block_manager
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(bm)
+    long, short = add(scheduler, 0, 6, 20), add(scheduler, 1, 6, 3)
+    step(scheduler, processor, executor)  # prefills: one token each
+    out = scheduler.schedule()  # decodes: 4 in a row for `long`, 2 for `short` (max_tokens)
+    assert [s.group for s in out.scheduled] == [long, short]
+    drawing = _in_flight(scheduler, out)
+    assert drawing == {0: 4, 1: 2}
+    newcomer = add(scheduler, 2, 5, 10)
+    ahead = scheduler.schedule_ahead(drawing)
+    assert [s.group for s in ahead.scheduled] == [long, newcomer]
+    # `long` maps its 4 tokens in flight and 4 more; `short` ends with the call in flight.
+    assert bm.num_slots(long.seqs[0]) == long.seqs[0].get_len() + 4 + 4 - 1
+    assert ahead.scheduled[1].is_prefill and newcomer.seqs[0].status == SequenceStatus.RUNNING
+    bm.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        ({"n": 2}, "may fork"),
+        ({"use_beam_search": True, "n": 2, "temperature": 0}, "beams"),
+        ({"presence_penalty": 0.5}, "needs its history"),
+    ],
+)
+def test_no_call_goes_ahead_when_the_next_depends_on_the_answer(params, why):
+    scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=1)
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
+    add(scheduler, 0, 6, 20)
+    add(scheduler, 1, 6, 20, **params)
+    step(scheduler, processor, executor)
+    out = scheduler.schedule()
+    tables = {k: list(v) for k, v in scheduler.block_manager.block_tables.items()}
+    assert scheduler.schedule_ahead(_in_flight(scheduler, out)) is None, why
+    assert scheduler.block_manager.block_tables == tables  # nothing changed
+
+
+def test_no_call_goes_ahead_for_a_prompt_chunk_or_without_blocks():
+    scheduler = make_scheduler(num_gpu_blocks=64, max_num_batched_tokens=8)
+    add(scheduler, 0, 20, 5)  # a prompt in chunks of 8 tokens: its first chunk draws nothing
+    scheduler.schedule()
+    assert scheduler.schedule_ahead({}) is None
+    scheduler = make_scheduler(num_gpu_blocks=5, num_decode_steps=1)  # 4 tokens a block
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
+    groups = [add(scheduler, i, 7, 5) for i in range(2)]
+    step(scheduler, processor, executor)  # 2 blocks each hold prompt and first token
+    out = scheduler.schedule()  # position 7: still in the second block
+    assert len(out.scheduled) == 2 and scheduler.block_manager.gpu.num_free_blocks == 1
+    assert scheduler.schedule_ahead(_in_flight(scheduler, out)) is None  # position 8: 2 more
+    assert [len(g.seqs[0].output_token_ids) for g in groups] == [1, 1]

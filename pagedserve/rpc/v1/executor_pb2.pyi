@@ -89,7 +89,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps")
+    __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps", "follows")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class SequenceStep(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -110,23 +111,26 @@ class SequenceStep(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_steps: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    follows: bool
+    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., follows: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "follows_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     seqs: _containers.RepeatedCompositeFieldContainer[SequenceStep]
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
+    follows_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., follows_step_id: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
