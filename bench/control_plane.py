@@ -15,7 +15,8 @@ Redis journaling and its HTTP front door. A load keeps N sequences running (long
 * the scheduler process's CPU time (user + system, /proc) per call and per decode step.
 
 Once with one step a call, once with decode steps in a row (--num-decode-steps, with no
-quiet period after arrivals):
+quiet period after arrivals), each with async scheduling (the next call sent while one
+runs) and without:
 
     python bench/control_plane.py --step-ms 2,5,10 --seqs 32,128,256 \\
         --json bench/results/control_plane.json
@@ -228,7 +229,11 @@ def standin_executor(
 
 @contextlib.contextmanager
 def scheduler(
-    args: argparse.Namespace, executor: str, store: str, num_decode_steps: int
+    args: argparse.Namespace,
+    executor: str,
+    store: str,
+    num_decode_steps: int,
+    async_scheduling: bool,
 ) -> Iterator[tuple[str, int]]:
     """`pagedserve scheduler` journaling to ``store``, decode steps in a row from the first
     step; yields its URL and process id."""
@@ -238,28 +243,33 @@ def scheduler(
     cmd += [f"--state-store={store}", f"--namespace=control-plane-{port}", f"--port={port}"]
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
     cmd.append("--decode-steps-quiet=0")
+    cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     with process(cmd, "scheduler", lambda: healthy(url)) as proc:
         yield url, proc.pid
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs = []
-    total = len(args.step_ms) * len(args.decode_steps) * len(args.seqs)
+    total = len(args.step_ms) * len(args.decode_steps) * len(args.scheduling) * len(args.seqs)
     with redis_url(args.redis) as store, progress(total, "configurations", "cfg") as bar:
         for step_ms in args.step_ms:
             for k in args.decode_steps:
-                with (
-                    standin_executor(args, step_ms) as (executor, executor_pid),
-                    scheduler(args, executor.address, store, k) as (url, scheduler_pid),
-                ):
-                    procs = Processes(executor, executor_pid, url, scheduler_pid)
-                    levels = asyncio.run(measure_levels(procs, args, step_ms, bar))
-                runs += [{"step_ms": step_ms, "num_decode_steps": k} | r for r in levels]
+                for scheduling in args.scheduling:
+                    ahead = scheduling == "async"
+                    with (
+                        standin_executor(args, step_ms) as (executor, executor_pid),
+                        scheduler(args, executor.address, store, k, ahead) as (url, sched_pid),
+                    ):
+                        procs = Processes(executor, executor_pid, url, sched_pid)
+                        levels = asyncio.run(measure_levels(procs, args, step_ms, bar))
+                    config = {"step_ms": step_ms, "num_decode_steps": k, "scheduling": scheduling}
+                    runs += [config | r for r in levels]
     return runs
 
 
-def mode_name(num_decode_steps: int) -> str:
-    return "one step a call" if num_decode_steps == 1 else f"{num_decode_steps} steps in a row"
+def mode_name(num_decode_steps: int, scheduling: str | None = None) -> str:
+    calls = "one step a call" if num_decode_steps == 1 else f"{num_decode_steps} steps in a row"
+    return calls if scheduling is None else f"{calls}, {scheduling}"
 
 
 def print_results(runs: list[dict[str, Any]]) -> None:
@@ -270,7 +280,7 @@ def print_results(runs: list[dict[str, Any]]) -> None:
     rows = [
         [
             r["step_ms"],
-            mode_name(r["num_decode_steps"]),
+            mode_name(r["num_decode_steps"], r["scheduling"]),
             r["num_seqs"],
             r["busy_fraction"],
             r["forward_fraction"],
@@ -288,15 +298,20 @@ def print_results(runs: list[dict[str, Any]]) -> None:
     print_table(headers, rows)
 
 
+def _key(run: dict[str, Any]) -> tuple[int, str, float]:
+    return run["num_decode_steps"], run["scheduling"], run["step_ms"]
+
+
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    """Busy and forward fractions against running sequences: one panel per mode, a colour
-    per step time, the issue's target as a dashed line."""
+    """Busy and forward fractions against running sequences: one panel per mode and
+    scheduling, a colour per step time, the issue's target as a dashed line."""
     plt = pyplot()
-    modes = sorted({r["num_decode_steps"] for r in runs})
+    modes = sorted({(r["num_decode_steps"], r["scheduling"]) for r in runs})
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
-    for ax, k in zip(axes[0], modes, strict=True):
+    for ax, (k, scheduling) in zip(axes[0], modes, strict=True):
         for step_ms in sorted({r["step_ms"] for r in runs}):
-            points = [r for r in runs if r["num_decode_steps"] == k and r["step_ms"] == step_ms]
+            key = (k, scheduling, step_ms)
+            points = [r for r in runs if _key(r) == key]
             xs = [r["num_seqs"] for r in points]
             line = ax.plot(xs, [r["busy_fraction"] for r in points], marker="o")[0]
             line.set_label(f"{step_ms:g} ms: busy")
@@ -307,7 +322,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("running sequences")
         ax.set_ylabel("fraction of wall time")
-        ax.set_title(mode_name(k))
+        ax.set_title(mode_name(k, scheduling))
         ax.legend(title="step time", fontsize="x-small", title_fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -320,6 +335,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqs", default="32,128,256", help="running sequences, in rising order")
     p.add_argument(
         "--decode-steps", default="1,8", help="--num-decode-steps of the scheduler's runs"
+    )
+    p.add_argument(
+        "--scheduling",
+        default="async,sync",
+        help="async: the next call sent while one runs (the default); sync: one at a time",
     )
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before each window")
     p.add_argument("--window", type=float, default=5.0, help="seconds measured per level")
@@ -335,6 +355,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.step_ms = [float(v) for v in args.step_ms.split(",")]
     args.seqs = [int(v) for v in args.seqs.split(",")]
     args.decode_steps = [int(v) for v in args.decode_steps.split(",")]
+    args.scheduling = args.scheduling.split(",")
+    if not set(args.scheduling) <= {"async", "sync"}:
+        p.error("--scheduling takes async, sync or both")
     if args.seqs != sorted(args.seqs):
         p.error("--seqs must rise: each level adds sequences to the running ones")
     return args

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -354,6 +355,12 @@ class AsyncEngine:
         return asyncio.create_task(self._run_lane(lane), name=f"lane-{lane.name}")
 
     async def _run_lane(self, lane: Lane) -> None:
+        unpublished: deque[StepOutcome] = deque()  # in step order, waiting for their commit
+        loop = asyncio.get_running_loop()
+
+        def landed(_: object) -> None:  # on the journal's writer thread
+            loop.call_soon_threadsafe(self._publish_durable, unpublished)
+
         try:
             while True:
                 if not lane.has_work():
@@ -365,7 +372,10 @@ class AsyncEngine:
                 # Counted before its clients see it; the lane's thread is between steps here.
                 if self.observer is not None:
                     self.observer.after_step(lane.name, lane.engine, outcome)
-                self._publish(outcome)
+                unpublished.append(outcome)
+                self._publish_durable(unpublished)
+                if outcome.durable is not None and not outcome.durable.done():
+                    outcome.durable.add_done_callback(landed)
                 if lane.retiring:
                     await self.lane_set.retire(lane, moved)
                     return
@@ -421,6 +431,17 @@ class AsyncEngine:
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError(f"engine failed: {e}"))
         self.died.set()
+
+    def _publish_durable(self, unpublished: deque[StepOutcome]) -> None:
+        """Publish a lane's outcomes in step order, each once its commit has landed. One
+        whose commit failed ends the lot: the term is over (the lane's next commit raises
+        why), and its clients go on from the store."""
+        while unpublished and (unpublished[0].durable is None or unpublished[0].durable.done()):
+            outcome = unpublished.popleft()
+            if outcome.durable is not None and outcome.durable.exception() is not None:
+                unpublished.clear()
+                return
+            self._publish(outcome)
 
     def _publish(self, outcome: StepOutcome) -> None:
         for delta in outcome.deltas:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -72,6 +73,9 @@ class StepOutcome:
     text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
     deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
+    # The commit that holds ``deltas``, still on its way to the store: publish them once it
+    # has landed, so that no client sees an event a restart would not find (None: landed).
+    durable: Future[None] | None = None
 
 
 @dataclass(slots=True)
@@ -280,9 +284,11 @@ class LLMEngine:
         outcome = self._apply(call.out, call.step, result)
         if self._ahead is not None and journal is not None:
             # The state after this call, while the next one runs; the next is not pending
-            # (a new leader finds the executor past this commit and recomputes).
-            journal.commit(self.scheduler, self._meta(call.step.step_id))
-            journal.crash_if_asked("after_persist")
+            # (a new leader finds the executor past this commit and recomputes). The round
+            # trip to the store overlaps the next call's scheduling too.
+            meta = self._meta(call.step.step_id)
+            outcome.durable = journal.commit(self.scheduler, meta, wait=False)
+            journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
 
     def _send(self, out: SchedulerOutput) -> _Call:

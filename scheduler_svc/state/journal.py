@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
@@ -68,6 +69,8 @@ class Journal:
         self._crash_at = crash_point()
         self._num_steps = 0
         self.halt = threading.Event()  # set when the term ends: stop resending commits
+        self._landing: Future[None] | None = None  # a commit on its way (commit, wait=False)
+        self._writer: ThreadPoolExecutor | None = None
 
     def begin(self, epoch: int | None = None) -> StoredState:
         """Read back what the last leader left, under ``epoch`` (the caller's lease) or a
@@ -112,9 +115,19 @@ class Journal:
         return bool(self._dirty or self._deleted or self._consumed or self._events or self._taken)
 
     def commit(
-        self, scheduler: Scheduler, meta: dict[str, str], pending_step: str | None = None
-    ) -> None:
-        """Write every touched group, removal and deferred event in one atomic commit."""
+        self,
+        scheduler: Scheduler,
+        meta: dict[str, str],
+        pending_step: str | None = None,
+        wait: bool = True,
+    ) -> Future[None] | None:
+        """Write every touched group, removal and deferred event in one atomic commit.
+
+        Commits land one at a time, in order. With ``wait`` False the store's round trip
+        is left to a writer thread, and the future it returns says when the commit landed
+        (or why it did not): the caller publishes the commit's events only then, and the
+        next commit, or ``settle``, waits for it and raises what it raised.
+        """
         upserts: dict[str, str] = {}
         appends: dict[str, str] = {}
         marks: dict[str, StoredMark] = {}
@@ -142,7 +155,14 @@ class Journal:
             new_requests_consumed=list(self._consumed),
             taken_over=dict(self._taken),
         )
-        self._send(commit)
+        self.settle()
+        landing = None
+        if wait:
+            self._send(commit)
+        else:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal")
+            landing = self._landing = self._writer.submit(self._send, commit)
         self._marks.update(marks)
         for rid in self._deleted:
             self._marks.pop(rid, None)
@@ -151,6 +171,13 @@ class Journal:
         self._consumed.clear()
         self._taken.clear()
         self._events.clear()
+        return landing
+
+    def settle(self) -> None:
+        """Wait for the commit on its way, if any; raise what it raised."""
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.result()
 
     def _send(self, commit: StepCommit) -> None:
         """Commit, resending while the store is unreachable (a commit that landed twice is

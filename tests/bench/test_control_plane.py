@@ -67,11 +67,8 @@ def test_control_plane_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
     result = json.loads(out.read_text())
     assert result["machine"]["cpu"] and result["targets"]["one_step"] == 0.9
     runs = result["runs"]
-    assert [(r["num_decode_steps"], r["num_seqs"]) for r in runs] == [
-        (1, 2),
-        (1, 6),
-        (4, 2),
-        (4, 6),
+    assert [(r["num_decode_steps"], r["scheduling"], r["num_seqs"]) for r in runs] == [
+        (k, scheduling, n) for k in (1, 4) for scheduling in ("async", "sync") for n in (2, 6)
     ]
     for r in runs:
         assert 0 < r["busy_fraction"] <= 1 and r["calls"] > 0 and r["decode_steps"] > 0
@@ -81,6 +78,8 @@ def test_control_plane_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
         assert r["running_at_end"] <= r["num_seqs"]
         if r["num_decode_steps"] == 1:  # a call computes one token per sequence at most
             assert r["decode_steps"] <= r["calls"] + 2
+            # and sent ahead, about one: the sequences follow from call to call
+            assert r["scheduling"] == "sync" or r["decode_steps"] > 0.8 * r["calls"]
         else:
             assert r["decode_steps"] > 1.5 * r["calls"]
     assert out.with_suffix(".png").stat().st_size > 10_000
