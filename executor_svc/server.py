@@ -121,20 +121,27 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     async def Execute(
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecuteResponse:
-        """One step, idempotent by step id (see StepLedger for the replay and epoch rules)."""
-        return result_to_pb(await self._locked(context, self._execute, request))
+        """One step, idempotent by step id (see StepLedger for the replay and epoch rules).
 
-    def _execute(self, request: pb.ExecuteRequest) -> StepResult:
+        Read before the lock, so that a step sent while another runs (async scheduling)
+        is parsed meanwhile; once its step is done, a call lets the next one start before
+        it converts its answer."""
+        try:
+            step = step_from_pb(request)
+        except ValueError as e:  # SamplingParams refused a field
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise AssertionError("unreachable: abort raises") from None
+        fingerprint = _fingerprint(request)
+        result = await self._locked(context, self._execute, step, fingerprint)
+        await asyncio.sleep(0)  # the next call's turn: it takes the lock first
+        return result_to_pb(result)
+
+    def _execute(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
         """Judged before it is checked: a replay was checked when it was applied, and a
         step that follows another is complete only once its followers are filled in.
         Nothing is mutated before the step is applied, so a refused call leaves the epoch,
         the ledger and the pools as they were."""
         info = self._ready_info()
-        try:
-            step = step_from_pb(request)
-        except ValueError as e:  # SamplingParams refused a field
-            raise InvalidArgument(str(e)) from None
-        fingerprint = _fingerprint(request)
         if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
             return self._replay(step, fingerprint)
         self._fill_followers(step)
