@@ -267,9 +267,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-def mode_name(num_decode_steps: int, scheduling: str | None = None) -> str:
+def mode_name(num_decode_steps: int, scheduling: str) -> str:
     calls = "one step a call" if num_decode_steps == 1 else f"{num_decode_steps} steps in a row"
-    return calls if scheduling is None else f"{calls}, {scheduling}"
+    return f"{calls}, {scheduling}"
 
 
 def print_results(runs: list[dict[str, Any]]) -> None:

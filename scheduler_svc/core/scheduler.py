@@ -151,9 +151,7 @@ class Scheduler:
         """
         if self.swapped:
             return None
-        k = self.config.num_decode_steps
-        if k > 1 and self.clock() - self.last_added < self.config.decode_steps_quiet_s:
-            k = 1
+        k = self._decode_steps()
         going = []
         for group in self.running:
             params = group.sampling_params
@@ -278,12 +276,10 @@ class Scheduler:
         queued for ``decode_steps_quiet_s``: a request arriving during a call waits for
         all of its steps.
         """
-        k = self.config.num_decode_steps
+        k = self._decode_steps()
         if k == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:
             return
         if any(is_prefilling(group) for group in self.running):
-            return
-        if self.clock() - self.last_added < self.config.decode_steps_quiet_s:
             return
         seqs = []
         for scheduled in out.scheduled:
@@ -302,6 +298,13 @@ class Scheduler:
                 assert copy is None, "the step's own slot already made the tail private"
 
     # -- helpers ---------------------------------------------------------------------
+
+    def _decode_steps(self) -> int:
+        """``num_decode_steps``, or 1 while a group was queued less than
+        ``decode_steps_quiet_s`` ago (a newcomer would wait for all of them)."""
+        if self.clock() - self.last_added < self.config.decode_steps_quiet_s:
+            return 1
+        return self.config.num_decode_steps
 
     def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         for seq in group.get_seqs(SequenceStatus.RUNNING):

@@ -298,17 +298,16 @@ class LLMEngine:
         has answered when this returns."""
         step = self._build_step(out)
         journal = self.journal
-        if journal is None:
-            result = self.executor.execute(step)
-            return _Call(out, step, lambda: result)
-        for group in [s.group for s in out.scheduled] + [g for g, _ in out.preempted]:
-            journal.touch(group)
+        if journal is not None:
+            for group in [s.group for s in out.scheduled] + [g for g, _ in out.preempted]:
+                journal.touch(group)
         pipelined = isinstance(self.executor, PipelinedExecutor)
         wait = self.executor.start(step) if pipelined else None
-        if wait is not None:
-            journal.crash_if_asked("after_send", settle=wait)
-        journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
-        journal.crash_if_asked("after_persist")
+        if journal is not None:
+            if wait is not None:
+                journal.crash_if_asked("after_send", settle=wait)
+            journal.commit(self.scheduler, self._meta(step.step_id), step_to_json(step))
+            journal.crash_if_asked("after_persist")
         if wait is None:
             result = self.executor.execute(step)
             wait = lambda: result  # noqa: E731

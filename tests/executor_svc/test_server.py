@@ -19,9 +19,9 @@ from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
-from pagedserve.step import ExecuteStep, SeqStep
+from pagedserve.step import ExecuteStep, SeqStep, StepResult
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor
-from scheduler_svc.engine.executor_client import StepRefused
+from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
 from tests.executor_svc.executor_proc import (
     NUM_GPU_BLOCKS,
     SWAP_GIB,
@@ -469,6 +469,37 @@ def test_the_step_before_the_last_is_answered_again(server: Server) -> None:
     assert after.num_replayed_steps == before.num_replayed_steps + 2
 
 
+def _arrivals(
+    executor: StepExecutor, info: ModelInfo, epoch: int, num_decode_steps: int
+) -> tuple[list, LLMEngine]:
+    """Greedy and seeded requests, each arriving after a step of those before it, to the
+    end; their tokens and cumulative logprobs, and the engine."""
+    cache = CacheConfig(
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+    )
+    sched = SchedulerConfig(max_model_len=info.max_model_len, num_decode_steps=num_decode_steps)
+    engine = LLMEngine(executor, cache, sched, info.eos_token_id)
+    engine.epoch = epoch
+    rng = random.Random(1)
+    groups = []
+    for i in range(6):
+        prompt = [rng.randrange(3, info.vocab_size) for _ in range(3 + 7 * i)]
+        params = SamplingParams(
+            temperature=0.0 if i % 2 else 0.9,
+            seed=None if i % 2 else 11 + i,
+            max_tokens=9 + 5 * i,
+            ignore_eos=True,
+            logprobs=1,
+        )
+        groups.append(engine.add_request(str(i), prompt, params))
+        engine.step()  # the next request arrives while these run
+    while engine.has_unfinished():
+        engine.step()
+    return [(s.output_token_ids, s.cumulative_logprob) for g in groups for s in g.seqs], engine
+
+
 @pytest.mark.parametrize("num_decode_steps", [1, 4])
 def test_async_scheduling_over_grpc_matches_in_process(
     server: Server, tiny_model_dir: Path, num_decode_steps: int
@@ -478,35 +509,8 @@ def test_async_scheduling_over_grpc_matches_in_process(
     time in process draws: greedy and seeded tokens, and their logprobs."""
     from executor_svc.executor import Executor
 
-    def run(executor: StepExecutor, info: ModelInfo, epoch: int) -> tuple[list, LLMEngine]:
-        cache = CacheConfig(
-            block_size=info.block_size,
-            num_gpu_blocks=info.num_gpu_blocks,
-            num_cpu_blocks=info.num_cpu_blocks,
-        )
-        sched = SchedulerConfig(max_model_len=info.max_model_len, num_decode_steps=num_decode_steps)
-        engine = LLMEngine(executor, cache, sched, info.eos_token_id)
-        engine.epoch = epoch
-        rng = random.Random(1)
-        groups = []
-        for i in range(6):
-            prompt = [rng.randrange(3, info.vocab_size) for _ in range(3 + 7 * i)]
-            params = SamplingParams(
-                temperature=0.0 if i % 2 else 0.9,
-                seed=None if i % 2 else 11 + i,
-                max_tokens=9 + 5 * i,
-                ignore_eos=True,
-                logprobs=1,
-            )
-            groups.append(engine.add_request(str(i), prompt, params))
-            engine.step()  # the next request arrives while these run
-        while engine.has_unfinished():
-            engine.step()
-        outputs = [(s.output_token_ids, s.cumulative_logprob) for g in groups for s in g.seqs]
-        return outputs, engine
-
     info = server.client.init_cache()
-    remote, engine = run(server.client, info, server.next_epoch())
+    remote, engine = _arrivals(server.client, info, server.next_epoch(), num_decode_steps)
     assert engine.async_scheduling and engine.stats.num_steps_ahead > 0
     local_executor = Executor(
         ExecutorConfig(
@@ -516,8 +520,47 @@ def test_async_scheduling_over_grpc_matches_in_process(
             swap_space=SWAP_GIB,
         )
     )
-    local, local_engine = run(local_executor, local_executor.init_cache(), 0)
+    local_info = local_executor.init_cache()
+    local, local_engine = _arrivals(local_executor, local_info, 0, num_decode_steps)
     assert not local_engine.async_scheduling
     assert [tokens for tokens, _ in remote] == [tokens for tokens, _ in local]
     assert [lp for _, lp in remote] == pytest.approx([lp for _, lp in local], abs=1e-4)
     assert not engine.scheduler.block_manager.block_tables
+
+
+class _FirstCallAheadArrivesFirst:
+    """The gRPC client, except that the first call sent ahead is answered as if it had
+    reached the executor before the call it follows (resent on a new connection): refused,
+    without being sent."""
+
+    def __init__(self, client: ExecutorClient) -> None:
+        self.client = client
+        self.num_refused = 0
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        return self.client.execute(step)
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        if step.follows_step_id is None or self.num_refused:
+            return self.client.start(step)
+        self.num_refused += 1
+
+        def refused() -> StepResult:
+            raise StepRefused(grpc.StatusCode.FAILED_PRECONDITION, "follows a step not applied")
+
+        return refused
+
+    def fence(self, epoch: int) -> int | None:
+        return self.client.fence(epoch)
+
+    def end_steps(self, step_id: int) -> None:
+        self.client.end_steps(step_id)
+
+
+def test_a_call_ahead_refused_for_arriving_first_is_sent_again(server: Server) -> None:
+    info = server.client.init_cache()
+    want, _ = _arrivals(server.client, info, server.next_epoch(), 1)
+    executor = _FirstCallAheadArrivesFirst(server.client)
+    got, engine = _arrivals(executor, info, server.next_epoch(), 1)
+    assert executor.num_refused == 1 and engine.stats.num_steps_ahead > 1
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
