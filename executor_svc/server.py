@@ -50,6 +50,9 @@ log = structlog.get_logger("executor_svc.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 SHUTDOWN_GRACE_S = 60.0  # longest a running step may take to finish after SIGTERM
 T = TypeVar("T")
+# A status's message travels in trailing metadata, which gRPC caps (8 KiB by default): a
+# refusal quoting a long field of the request would reach the client as RESOURCE_EXHAUSTED.
+MAX_DETAILS_CHARS = 2000
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
@@ -90,7 +93,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             except Exception as e:
                 log.exception("executor.rpc_failed", rpc=getattr(fn, "__name__", "?"))
                 code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-        await context.abort(code, message)
+        await context.abort(code, _details(message))
         raise AssertionError("unreachable: abort raises")
 
     def _ready_info(self) -> ModelInfo:
@@ -129,7 +132,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         try:
             step = step_from_pb(request)
         except ValueError as e:  # SamplingParams refused a field
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(str(e)))
             raise AssertionError("unreachable: abort raises") from None
         fingerprint = _fingerprint(request)
         result = await self._locked(context, self._execute, step, fingerprint)
@@ -269,6 +272,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     ) -> pb.GetStatsResponse:
         """Answers without the lock: counters only, never the pools."""
         return stats_to_pb(self.stats)
+
+
+def _details(message: str) -> str:
+    """A refusal's message, cut to what a status carries."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return message[:MAX_DETAILS_CHARS] + f"... ({len(message)} characters)"
 
 
 def _fingerprint(request: pb.ExecuteRequest) -> bytes:

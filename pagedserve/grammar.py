@@ -27,7 +27,7 @@ class Grammar:
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
-            raise GrammarError(f"kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+            raise GrammarError(f"kind must be one of {GRAMMAR_KINDS}, got {self.kind[:40]!r}")
 
 
 def parse_grammar(grammar: Grammar) -> Any:

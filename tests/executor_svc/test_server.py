@@ -236,6 +236,11 @@ def _nan_top_p(request: pb.ExecuteRequest) -> None:
     request.seqs[0].sampling_params.top_p = float("nan")  # SamplingParams refuses it
 
 
+def _long_grammar_kind(request: pb.ExecuteRequest) -> None:
+    # The fuzzer's find: a refusal quoting it all outgrew the status's metadata.
+    request.seqs[0].sampling_params.grammar.kind = "x" * 100_000
+
+
 @pytest.mark.parametrize("epoch", [2**63 - 1, MAX_UINT64])
 def test_a_refused_call_fences_no_one(server: Server, epoch: int) -> None:
     client = server.client
@@ -306,6 +311,7 @@ CORRUPTIONS: dict[str, Corrupt] = {
     "duplicate_seq_id": _duplicate_seq,  # the fuzzer's first find: outputs are keyed by it
     "no_sampling_params": _clear("sampling_params"),
     "top_p_nan": _nan_top_p,
+    "grammar_kind_of_100_kb": _long_grammar_kind,
     "temperature_inf": _set(temperature=float("inf")),
     "temperature_nan": _set(temperature=float("nan")),
     "min_p_minus_inf": _set(min_p=float("-inf")),
