@@ -236,13 +236,14 @@ def scheduler(
     async_scheduling: bool,
 ) -> Iterator[tuple[str, int]]:
     """`pagedserve scheduler` journaling to ``store``, decode steps in a row from the first
-    step; yields its URL and process id."""
+    step, every sequence admitted (no pacing: the batch sizes are the experiment's);
+    yields its URL and process id."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedserve.cli", "scheduler", f"--executor={executor}"]
     cmd += [f"--state-store={store}", f"--namespace=control-plane-{port}", f"--port={port}"]
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
-    cmd.append("--decode-steps-quiet=0")
+    cmd += ["--decode-steps-quiet=0", "--max-token-slowdown=0"]
     cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     with process(cmd, "scheduler", lambda: healthy(url)) as proc:
         yield url, proc.pid

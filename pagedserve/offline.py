@@ -62,7 +62,8 @@ class OfflineLLM:
     ) -> None:
         """Args:
         online: requests will arrive while others run (a replay of a serving load): keep
-            the serving quiet period before decode steps in a row.
+            the serving quiet period before decode steps in a row, and the pace admission
+            keeps for the running streams.
         """
         from executor_svc.executor import Executor
         from pagedserve.model_files import load_tokenizer
@@ -74,8 +75,11 @@ class OfflineLLM:
         info = self.executor.init_cache()
         self.info = info
         options = engine or EngineOptions()
-        if not online:  # every request is here from the start: no arrival to wait for
-            options = dataclasses.replace(options, decode_steps_quiet_s=0.0)
+        if not online:  # every request is here from the start: no arrival to wait for,
+            # and only the throughput of the whole batch counts, not each stream's pace
+            options = dataclasses.replace(
+                options, decode_steps_quiet_s=0.0, max_token_slowdown=0.0
+            )
         cache_config, scheduler_config = options.configs(info)
         detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.engine = LLMEngine(

@@ -67,6 +67,9 @@ SERVING_DECODE_STEPS_QUIET_S = 2.0
 # budget prefills arriving prompts sooner and in bigger, cheaper batches; a smaller one
 # bounds how long a long prompt stalls the streams (bench/RESULTS.md, 2026-12-03).
 CHUNKED_PREFILL_BUDGET = 2048
+# A server's max_token_slowdown: how much slower than an idle executor's a token may get
+# before admission holds newcomers back (bench/RESULTS.md, 2026-12-04, ten times the rate).
+SERVING_MAX_TOKEN_SLOWDOWN = 4.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class SchedulerConfig:
     decode_steps_quiet_s: float = 0.0
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
+    max_token_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -91,6 +95,10 @@ class SchedulerConfig:
             raise ValueError(f"decode_steps_quiet_s must be >= 0, got {self.decode_steps_quiet_s}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not (self.max_token_slowdown == 0 or self.max_token_slowdown >= 1):  # and NaN
+            raise ValueError(
+                f"max_token_slowdown must be 0 (off) or >= 1, got {self.max_token_slowdown}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -146,6 +154,15 @@ class EngineOptions:
             "(services only; the next call waits when it depends on the current one's tokens)"
         ),
     )
+    max_token_slowdown: float = field(
+        default=SERVING_MAX_TOKEN_SLOWDOWN,
+        metadata=_help(
+            "admit waiting requests only while a step takes at most this many times as long "
+            "per token as the fastest step seen (an idle executor's), so that under overload "
+            "the running streams keep their pace and newcomers wait or are refused (429); "
+            "0: admit whenever sequences and blocks allow"
+        ),
+    )
     preemption_mode: PreemptionMode | None = field(
         default=None,
         metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
@@ -179,6 +196,7 @@ class EngineOptions:
             decode_steps_quiet_s=self.decode_steps_quiet_s,
             enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
+            max_token_slowdown=self.max_token_slowdown,
         )
         return cache, scheduler
 

@@ -3,6 +3,7 @@ over the engines of every executor and refreshed after each step."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ class SchedulerMetrics:
             "kv_slot_utilization_ratio", "filled token slots / slots of the held gpu blocks"
         )
         self.num_requests = gauge("num_requests", "requests by scheduler queue", ("state",))
+        self.token_seconds = gauge(
+            "token_seconds",
+            "seconds a step took per token, lately (running mean) and the fastest seen; "
+            "newcomers wait past --max-token-slowdown times the fastest",
+            ("executor", "kind"),
+        )
         self.config_info = gauge(
             "cache_config_info",
             "cache configuration of each executor's engine (value 1)",
@@ -176,6 +183,10 @@ class SchedulerMetrics:
             if last is None:
                 self._describe(name, engine)
             sample = sample_engine(engine, now, last)
+            pace = engine.scheduler.pace
+            if pace.recent:  # measured: not before two calls in a row
+                self.token_seconds.labels(name, "recent").set(pace.recent)
+                self.token_seconds.labels(name, "fastest").set(pace.fastest)
             self._advance_counters(sample, last)
             self._samples[name] = sample
             self._set_gauges()
@@ -184,6 +195,9 @@ class SchedulerMetrics:
         with self._lock:
             if self._samples.pop(name, None) is not None:
                 self._set_gauges()
+            for kind in ("recent", "fastest"):
+                with contextlib.suppress(KeyError):  # never measured
+                    self.token_seconds.remove(name, kind)
             labels = self._config_labels.pop(name, None)
             if labels is not None:
                 self.config_info.remove(*labels)

@@ -16,6 +16,7 @@ from pagedserve.model_info import ModelInfo
 from pagedserve.settings import (
     CHUNKED_PREFILL_BUDGET,
     SERVING_DECODE_STEPS_QUIET_S,
+    SERVING_MAX_TOKEN_SLOWDOWN,
     ApiConfig,
     EngineOptions,
     ExecutorConfig,
@@ -31,9 +32,16 @@ INFO = ModelInfo("m", 100, 16384, 2, block_size=16, num_gpu_blocks=64, num_cpu_b
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("num_decode_steps", 0), ("decode_steps_quiet_s", -1.0), ("decode_steps_quiet_s", math.nan)],
+    [
+        ("num_decode_steps", 0),
+        ("decode_steps_quiet_s", -1.0),
+        ("decode_steps_quiet_s", math.nan),
+        ("max_token_slowdown", 0.5),
+        ("max_token_slowdown", -1.0),
+        ("max_token_slowdown", math.nan),
+    ],
 )
-def test_scheduler_config_refuses_a_bad_decode_steps_setting(field: str, value: float) -> None:
+def test_scheduler_config_refuses_a_bad_setting(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
 
@@ -52,6 +60,17 @@ def test_offline_engines_look_ahead_at_once_and_servers_after_a_quiet_spell() ->
         assert quiet == SERVING_DECODE_STEPS_QUIET_S
         args = build_parser().parse_args([command, "--decode-steps-quiet", "0.5"])
         assert from_args(SchedulerOptions, args).engine.decode_steps_quiet_s == 0.5
+
+
+def test_offline_engines_admit_at_once_and_servers_pace_the_running_streams() -> None:
+    assert SchedulerConfig().max_token_slowdown == 0.0  # only the batch's throughput counts
+    for command in ("serve", "scheduler"):
+        args = build_parser().parse_args([command])
+        engine = from_args(SchedulerOptions, args).engine
+        assert engine.max_token_slowdown == SERVING_MAX_TOKEN_SLOWDOWN
+        assert engine.configs(INFO)[1].max_token_slowdown == SERVING_MAX_TOKEN_SLOWDOWN
+        args = build_parser().parse_args([command, "--max-token-slowdown", "0"])
+        assert from_args(SchedulerOptions, args).engine.max_token_slowdown == 0.0
 
 
 def test_the_engine_config_follows_the_executor_and_the_options() -> None:
@@ -89,7 +108,8 @@ def test_the_window_reaches_the_block_manager_unless_freeing_is_off() -> None:
 )
 def test_every_option_with_a_help_is_a_flag_with_its_default(command: str, options) -> None:
     skipped = {
-        "generate": {"seed", "decode_steps_quiet_s"},  # --seed is the requests' own there
+        # --seed is the requests' own there; the rest apply to requests arriving later
+        "generate": {"seed", "decode_steps_quiet_s", "max_token_slowdown"},
         "serve": {"executors", "tokenizer", "routing"},  # one executor, started by serve
     }.get(command, set())
     sub = build_parser()._subparsers._group_actions[0].choices[command]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.block_manager import AllocStatus, BlockManager, BlockMapping
+from scheduler_svc.core.pace import TokenPace
 from scheduler_svc.core.sequence import SequenceGroup, SequenceStatus
 
 
@@ -78,6 +79,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.last_added = float("-inf")  # clock() when the newest group was queued
+        self.pace = TokenPace(config.max_token_slowdown)  # the engine reports each step
 
     def add_seq_group(self, group: SequenceGroup) -> None:
         """Queue a new request. Raises RequestRejectedError when it could never run."""
@@ -230,10 +232,12 @@ class Scheduler:
 
         With chunked prefill a lone sequence's prompt may start with what is left of the
         budget; a group of several (recomputed after preemption) runs whole, past the
-        budget if it is the step's only prompt, so that it cannot wait forever.
+        budget if it is the step's only prompt, so that it cannot wait forever. While
+        groups run, their pace may hold newcomers back (TokenPace.admits).
         """
+        room = self.pace.admits(len(self.waiting)) if self.running else None
         chunked = self.config.enable_chunked_prefill
-        while self.waiting:
+        while self.waiting and room != 0:
             group = self.waiting[0]
             in_chunks = chunked and group.num_seqs(SequenceStatus.WAITING) == 1
             status = self.block_manager.can_allocate(group, self._step_tokens(in_chunks))
@@ -265,6 +269,8 @@ class Scheduler:
                 out.num_batched_tokens += num_slots - seq.num_computed_tokens
             bisect.insort(self.running, group, key=_order)
             out.scheduled.append(ScheduledGroup(group, True, num_cached))
+            if room is not None:
+                room -= 1
 
     def _look_ahead(self, out: SchedulerOutput) -> None:
         """Map slots for ``num_decode_steps`` decode steps in a row when the step holds

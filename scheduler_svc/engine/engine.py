@@ -141,6 +141,7 @@ class LLMEngine:
             executor, PipelinedExecutor
         )
         self._ahead: _Call | None = None
+        self._applied_at: float | None = None  # the last call applied, while groups ran
         self.epoch = 0
         self.stats = EngineStats()
         self.streams = StreamTracker()
@@ -228,7 +229,7 @@ class LLMEngine:
         The groups stay in this engine's journal until the caller drops its lane, so a
         crash while they move loses none of them.
         """
-        self._ahead = None  # its work is redone where the groups go
+        self._ahead = self._applied_at = None  # its work is redone where the groups go
         self.scheduler.recompute_all()
         moved, self.scheduler.waiting = self.scheduler.waiting, []
         self.flush()  # the last step's events, before another engine continues the stream
@@ -271,7 +272,7 @@ class LLMEngine:
             self._steps_in_a_row = self._newest_in_a_row(call)
             result = self._wait(call)
         except ExecutorRestarted as e:
-            self._ahead = None
+            self._ahead = self._applied_at = None
             return self._recompute_all(e.instance_id)
         except BaseException:
             self._ahead = None  # its answer, if any, belongs to a call that failed
@@ -282,6 +283,7 @@ class LLMEngine:
         if journal is not None:
             journal.crash_if_asked("after_execute")
         outcome = self._apply(call.out, call.step, result)
+        self._time_tokens(call.step, result)
         if self._ahead is not None and journal is not None:
             # The state after this call, while the next one runs; the next is not pending
             # (a new leader finds the executor past this commit and recomputes). The round
@@ -290,6 +292,15 @@ class LLMEngine:
             outcome.durable = journal.commit(self.scheduler, meta, wait=False)
             journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
+
+    def _time_tokens(self, step: ExecuteStep, result: StepResult) -> None:
+        """Tell the scheduler's pace how long the running streams waited per token since
+        the call before this one was applied (nothing after an idle spell)."""
+        now = time.perf_counter()
+        if self._applied_at is not None:
+            num_steps = max(_steps_run(step, result), 1)
+            self.scheduler.pace.observe((now - self._applied_at) / num_steps)
+        self._applied_at = now if self.scheduler.running else None
 
     def _send(self, out: SchedulerOutput) -> _Call:
         """Journal the step ``out`` decides and send it. A pipelined executor computes
@@ -649,15 +660,24 @@ class LLMEngine:
         )
 
 
+def _steps_run(step: ExecuteStep, result: StepResult) -> int:
+    """Decode steps ``result`` answers: one, or its longest run of steps in a row
+    (fewer than asked when the call ended early)."""
+    if max((s.num_steps for s in step.seqs), default=1) == 1:
+        return 1
+    return max((len(o.token_ids) for o in result.outputs), default=0)
+
+
 def _one_step_at_a_time(step: ExecuteStep, result: StepResult) -> Iterator[dict[int, SeqOutput]]:
     """The samples of each decode step of ``result`` by seq_id, in order: sequences run
     ``num_steps`` in a row answer one token per step, applied (and stopped) as if each had
     come back on its own; prompt tokens scored go with the first."""
     outputs = result.outputs
-    if max((s.num_steps for s in step.seqs), default=1) == 1:
+    num_steps = _steps_run(step, result)
+    if num_steps == 1:
         yield {o.seq_id: o for o in outputs}
         return
-    for i in range(max((len(o.token_ids) for o in outputs), default=0)):  # fewer: ended early
+    for i in range(num_steps):
         yield {
             o.seq_id: SeqOutput(
                 o.seq_id,

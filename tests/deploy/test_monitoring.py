@@ -25,6 +25,7 @@ CONTRACT = {
         "kv_cache_usage_ratio",
         "kv_slot_utilization_ratio",
         "num_requests",
+        "token_seconds",
     },
     "counter": {
         "preemptions_total",

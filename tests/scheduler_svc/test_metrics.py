@@ -122,6 +122,10 @@ def test_gauges_sum_over_executors_and_forget_one():
     assert value(metrics, "kv_blocks_used", device="gpu") == 4  # 30 prompt tokens in blocks of 8
     assert value(metrics, "kv_cache_usage_ratio", device="gpu") == 4 / 32
     assert value(metrics, "kv_slot_utilization_ratio") == 30 / 32  # the prompt's slots
+    assert "pagedserve_token_seconds{" not in metrics.render()  # no step after another yet
+    metrics.after_step("big", big, big.step())
+    fastest = value(metrics, "token_seconds", executor="big", kind="fastest")
+    assert 0 < fastest == value(metrics, "token_seconds", executor="big", kind="recent")
     metrics.forget("big")
     assert value(metrics, "kv_blocks_total", device="gpu") == 12
     assert value(metrics, "kv_blocks_used", device="gpu") == 0
