@@ -2,8 +2,10 @@
 """Serving latency under load: Poisson arrivals at increasing request rates through the
 OpenAI-compatible HTTP API of a real server, every client streaming (the paper's Figure 12).
 
-Each rate replays the same requests (token-id prompts, greedy, exactly ``max_tokens``, EOS
-ignored) at arrival times from one fixed draw of exponential gaps scaled by the rate. A rate
+Each rate sends requests of its own (token-id prompts, greedy, exactly ``max_tokens``, EOS
+ignored; drawn with --seed plus the rate's index, so that no rate finds the prompts of the
+one before in the prefix cache) at arrival times from one fixed draw of exponential gaps
+scaled by the rate. A rate
 stops sending after --duration seconds and waits --drain seconds more; requests still running
 then are cancelled (the server aborts them) and count as failed. Normalized latency is the
 mean over completed requests of end-to-end seconds per output token.
@@ -12,7 +14,7 @@ mean over completed requests of end-to-end seconds per output token.
     in-process  the same engine stepped in this process, each request added at its arrival
                 time and timed at the end of the step that produced its tokens: what the
                 services would give with no HTTP, gRPC, Redis or client in the way
-    vllm        vLLM's OpenAI server from --vllm-python's venv, same trace
+    vllm        vLLM's OpenAI server from --vllm-python's venv, same requests
 
     python bench/serving.py --preset sharegpt --rates 0.25,0.5,1,2 --num-requests 100 \\
         --json bench/results/serving_sharegpt.json
@@ -193,16 +195,26 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-async def sweep(url: str, trace: Trace, args: argparse.Namespace, name: str) -> dict[str, Any]:
+def rate_traces(args: argparse.Namespace) -> dict[float, Trace]:
+    """The requests of each rate, in increasing order of rate, each drawn afresh."""
+    return {
+        rate: load_trace(args.preset, args.num_requests, args.max_model_len, args.seed + i)
+        for i, rate in enumerate(sorted(args.rates))
+    }
+
+
+async def sweep(
+    url: str, traces: dict[float, Trace], args: argparse.Namespace, name: str
+) -> dict[str, Any]:
     """Every rate in increasing order; after a saturated rate the higher ones are skipped."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-    warmup = Trace([8], [4], [trace.prompts[0][:8]])
+    warmup = Trace([8], [4], [[1000 + i for i in range(8)]])
     bounds = (args.duration, args.drain)
     await run_rate(url, model, warmup, [0.0], bounds, f"{name} warm-up")
     rates: dict[str, Any] = {}
     saturated = None
-    for rate in sorted(args.rates):
+    for rate, trace in traces.items():
         if saturated is not None:
             rates[f"{rate:g}"] = {"skipped": f"saturated: most requests failed at {saturated:g}"}
             continue
@@ -231,20 +243,24 @@ def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str
     ):
         if args.client_dataset == "sharegpt":
             # Room for a prompt that tokenizes a little longer as text than as ids.
-            trace = load_trace("sharegpt", args.num_requests, args.max_model_len - 32, args.seed)
             hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-            dataset = sharegpt_dataset(trace, hf_tokenizer, Path(data) / "sharegpt.json")
-        else:
-            dataset = random_dataset(args.input_len, args.output_len)
-        for rate in sorted(args.rates):
-            flags = client_args(url, model, tokenizer, rate, args.num_requests, dataset)
+        for i, rate in enumerate(sorted(args.rates)):
+            seed = args.seed + i  # fresh prompts: none cached by the rate before
+            if args.client_dataset == "sharegpt":
+                max_len = args.max_model_len - 32
+                trace = load_trace("sharegpt", args.num_requests, max_len, seed)
+                path = Path(data) / f"sharegpt-{i}.json"
+                dataset = sharegpt_dataset(trace, hf_tokenizer, path)
+            else:
+                dataset = random_dataset(args.input_len, args.output_len)
+            flags = client_args(url, model, tokenizer, rate, args.num_requests, dataset, seed)
             timeout = args.duration + args.drain + args.num_requests / rate
             rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout)
             bar.update(1)
     return {"model": Path(model).name, "client": "vllm", "rates": rates}
 
 
-def replay_in_process(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+def replay_in_process(traces: dict[float, Trace], args: argparse.Namespace) -> dict[str, Any]:
     """Every rate replayed against the in-process engine in one loop: add what has arrived,
     step, time the tokens at the step's end. The engine keeps the serving defaults (decode
     steps in a row only after a quiet spell), so the only difference from `pagedserve serve`
@@ -257,7 +273,7 @@ def replay_in_process(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.engine
     rates: dict[str, Any] = {}
     try:
-        for rate in sorted(args.rates):
+        for rate, trace in traces.items():
             arrivals = poisson_arrivals(trace.num_requests, rate, args.seed)
             arrivals = [at for at in arrivals if at <= args.duration]
             groups, first, done = [], {}, {}
@@ -308,7 +324,9 @@ def replay_in_process(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "rates": rates}
 
 
-def run_system(name: str, trace: Trace | None, args: argparse.Namespace) -> dict[str, Any]:
+def run_system(
+    name: str, traces: dict[float, Trace] | None, args: argparse.Namespace
+) -> dict[str, Any]:
     """A sweep, or ``{"skipped": reason}``: a system that can't run is never dropped."""
     from pagedserve.model_files import resolve_model
 
@@ -316,7 +334,7 @@ def run_system(name: str, trace: Trace | None, args: argparse.Namespace) -> dict
         return {"skipped": NO_VLLM}
     try:
         if name == "in-process":
-            return replay_in_process(trace, args)
+            return replay_in_process(traces, args)
         if name == "vllm":
             model_dir = resolve_model(args.model)
             server = vllm_server(args.vllm_python, model_dir, args.max_model_len, args.seed)
@@ -325,7 +343,7 @@ def run_system(name: str, trace: Trace | None, args: argparse.Namespace) -> dict
         with server as url:
             if args.client == "vllm":
                 return sweep_vllm_client(url, args, name)
-            return asyncio.run(sweep(url, trace, args, name))
+            return asyncio.run(sweep(url, traces, args, name))
     except Exception as e:  # report it and measure the others
         return {"skipped": f"failed: {type(e).__name__}: {e}", "failed": True}
 
@@ -454,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.client == "vllm":
         return main_vllm_client(args)
-    trace = load_trace(args.preset, args.num_requests, args.max_model_len, args.seed)
-    systems = {name: run_system(name, trace, args) for name in SYSTEMS if name in args.systems}
+    traces = rate_traces(args)
+    systems = {name: run_system(name, traces, args) for name in SYSTEMS if name in args.systems}
     print(
         f"{args.preset}: up to {args.num_requests} requests per rate within {args.duration:g} s "
         f"(+{args.drain:g} s drain), streaming, model {args.model}, fp32"

@@ -33,15 +33,23 @@ WARMUPS = 8
 
 
 def client_args(
-    url: str, model: str, tokenizer: Path, rate: float, num_requests: int, dataset: list[str]
+    url: str,
+    model: str,
+    tokenizer: Path,
+    rate: float,
+    num_requests: int,
+    dataset: list[str],
+    seed: int,
 ) -> list[str]:
     """The flags of one run: ``dataset``'s requests (``random_dataset`` or
     ``sharegpt_dataset``), EOS ignored, streaming, Poisson arrivals at ``rate``, as in vLLM's
-    own serving benchmarks, after WARMUPS requests that are not measured."""
+    own serving benchmarks, after WARMUPS requests that are not measured. The client draws
+    its random prompts and arrivals with ``seed``: the same seed again sends the same
+    prompts, which a server with prefix caching then finds computed."""
     return [
         *("--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url),
         *("--model", model, "--tokenizer", str(tokenizer), *dataset, "--ignore-eos"),
-        *("--request-rate", f"{rate:g}", "--num-prompts", str(num_requests), "--seed", "0"),
+        *("--request-rate", f"{rate:g}", "--num-prompts", str(num_requests), "--seed", str(seed)),
         *("--num-warmups", str(WARMUPS)),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"),
         "--disable-tqdm",

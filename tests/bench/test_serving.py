@@ -1,5 +1,5 @@
-"""The serving benchmark: Poisson arrivals replay the same requests at every rate, and a
-real `pagedserve serve` answers every streamed request within the bounds."""
+"""The serving benchmark: Poisson arrivals send fresh requests at every rate, and a real
+`pagedserve serve` answers every streamed request within the bounds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from bench import serving, vllm_client
 from bench.common import load_trace, percentile, poisson_arrivals
-from bench.serving import RequestRecord, summarize
+from bench.serving import RequestRecord, parse_args, rate_traces, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +23,15 @@ def test_arrivals_scale_with_the_rate() -> None:
     assert fast == pytest.approx([t / 4 for t in slow])
     assert all(b > a for a, b in itertools.pairwise(slow))
     assert 30 < slow[-1] < 75  # 50 unit-mean gaps
+
+
+def test_each_rate_sends_prompts_of_its_own() -> None:
+    """A rate replaying the prompts of the one before would find them in the prefix cache."""
+    args = parse_args(["--preset=alpaca", "--rates=2,0.5,1", "--num-requests=6"])
+    traces = rate_traces(args)
+    assert list(traces) == [0.5, 1.0, 2.0]
+    prompts = [tuple(map(tuple, t.prompts)) for t in traces.values()]
+    assert len(set(prompts)) == 3 and rate_traces(args)[1.0].prompts == traces[1.0].prompts
 
 
 def test_summary_of_one_rate() -> None:
@@ -71,8 +80,9 @@ def test_vllm_client_result_summary() -> None:
     assert s["ttft_ms"] == {"mean": 810.78, "p99": 2136.2}
     assert s["tpot_ms"] == {"mean": 307.56, "p99": 338.67}
     dataset = vllm_client.random_dataset(256, 128)
-    flags = vllm_client.client_args("http://h:1", "m", Path("/t"), 2.0, 80, dataset)
+    flags = vllm_client.client_args("http://h:1", "m", Path("/t"), 2.0, 80, dataset, 3)
     assert flags[flags.index("--request-rate") + 1] == "2"
+    assert flags[flags.index("--seed") + 1] == "3"
     assert "--ignore-eos" in flags and flags[flags.index("--random-input-len") + 1] == "256"
     assert flags[flags.index("--num-warmups") + 1] == str(vllm_client.WARMUPS)
 
