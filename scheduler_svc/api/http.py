@@ -78,7 +78,7 @@ class Api:
         resume = _last_event(request.headers.get("last-event-id"), parsed.params)
         resumable = _resumable(request, resume, len(prompts))
         owner = request.scope.get("state", {}).get("owner", "")  # set by ApiKeyCheck
-        deltas = self._generate(request_id, prompts, parsed.params, resume, owner)
+        deltas = self._generate(request_id, prompts, parsed, resume, owner)
         render = Renderer(self.card.name, self.tokenizer, parsed, request_id, prompts, chat)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
@@ -93,15 +93,16 @@ class Api:
         self,
         request_id: str,
         prompts: list[list[int]],
-        params: SamplingParams,
+        parsed: ParsedRequest,
         resume: tuple[int, int] | None,
         owner: str,
     ) -> AsyncIterator[RequestDelta]:
         """The engine's deltas of every prompt, as one stream (see batch.merge)."""
         after = resume[0] - 1 if resume else None  # the named event may have more outputs
         ids = prompt_request_ids(request_id, len(prompts))
+        params = parsed.params
         streams = [
-            self.engine.generate(i, p, params, after, owner)
+            self.engine.generate(i, p, params, after, owner, stream=parsed.stream)
             for i, p in zip(ids, prompts, strict=True)
         ]
         return merge(streams, params.n)
