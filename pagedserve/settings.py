@@ -157,10 +157,10 @@ class EngineOptions:
     max_token_slowdown: float = field(
         default=SERVING_MAX_TOKEN_SLOWDOWN,
         metadata=_help(
-            "admit waiting requests only while a step takes at most this many times as long "
-            "per token as the fastest step seen (an idle executor's), so that under overload "
-            "the running streams keep their pace and newcomers wait or are refused (429); "
-            "0: admit whenever sequences and blocks allow"
+            "once 16 requests wait, admit them only while a step takes at most this many "
+            "times as long per token as the fastest step seen (an idle executor's), so that "
+            "under overload the running streams keep their pace and newcomers wait or are "
+            "refused (429); 0: admit whenever sequences and blocks allow"
         ),
     )
     preemption_mode: PreemptionMode | None = field(
