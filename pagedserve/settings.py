@@ -70,6 +70,8 @@ CHUNKED_PREFILL_BUDGET = 2048
 # A server's max_token_slowdown: how much slower than an idle executor's a token may get
 # before admission holds newcomers back (bench/RESULTS.md, 2026-12-04, ten times the rate).
 SERVING_MAX_TOKEN_SLOWDOWN = 4.0
+# Requests waiting that say arrivals outpace the executor by far: pacing starts there.
+PACING_BACKLOG = 16
 
 
 @dataclass(frozen=True)
@@ -157,10 +159,10 @@ class EngineOptions:
     max_token_slowdown: float = field(
         default=SERVING_MAX_TOKEN_SLOWDOWN,
         metadata=_help(
-            "once 16 requests wait, admit them only while a step takes at most this many "
-            "times as long per token as the fastest step seen (an idle executor's), so that "
-            "under overload the running streams keep their pace and newcomers wait or are "
-            "refused (429); 0: admit whenever sequences and blocks allow"
+            f"once {PACING_BACKLOG} requests wait, admit them only while a step takes at most "
+            "this many times as long per token as the fastest step seen (an idle executor's), "
+            "so that under overload the running streams keep their pace and newcomers wait or "
+            "are refused (429); 0: admit whenever sequences and blocks allow"
         ),
     )
     preemption_mode: PreemptionMode | None = field(

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 
+from pagedserve.settings import PACING_BACKLOG
+
 WEIGHT = 0.25  # of the newest step in the running mean (about the last seven steps)
-BACKLOG = 16  # requests waiting that say arrivals outpace the executor by far
+BACKLOG = PACING_BACKLOG  # requests waiting that say arrivals outpace the executor by far
 
 
 class TokenPace:
