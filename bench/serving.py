@@ -209,7 +209,8 @@ async def sweep(
     """Every rate in increasing order; after a saturated rate the higher ones are skipped."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-    warmup = Trace([8], [4], [[1000 + i for i in range(8)]])
+    first = next(iter(traces.values())).prompts[0]  # ids the model surely has
+    warmup = Trace([8], [4], [first[:8]])
     bounds = (args.duration, args.drain)
     await run_rate(url, model, warmup, [0.0], bounds, f"{name} warm-up")
     rates: dict[str, Any] = {}
