@@ -374,12 +374,16 @@ def test_preemption_under_load_and_prefix_sharing(server, client):
     system = "You are a careful harbour engineer who answers in full sentences. " * 4
     before = metric(server, "pagedserve_prefix_cache_hits_total", "")
     results: list = [None] * 8
+    start = threading.Barrier(8)
 
-    def one(i: int) -> None:  # 8 x ~250 tokens need more than the 96 blocks of 16
+    # 8 x ~450 tokens need twice the 96 blocks of 16: even requests that a busy machine
+    # staggers by half a run still outgrow the pool together.
+    def one(i: int) -> None:
+        start.wait()
         results[i] = client.completions.create(
             model=model,
             prompt=f"{system} Question {i}:",
-            max_tokens=200,
+            max_tokens=400,
             temperature=0,
             extra_body={"ignore_eos": True},
         )
@@ -389,7 +393,7 @@ def test_preemption_under_load_and_prefix_sharing(server, client):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert all(r is not None and r.usage.completion_tokens == 200 for r in results)
+    assert all(r is not None and r.usage.completion_tokens == 400 for r in results)
     assert metric(server, "pagedserve_preemptions_total", 'mode="recompute"') > 0
     assert metric(server, "pagedserve_prefix_cache_hits_total", "") > before
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
