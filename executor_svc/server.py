@@ -153,8 +153,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
     def _fill_followers(self, step: ExecuteStep) -> None:
         """Give each sequence that ``follows`` the last token the previous step drew for it,
-        at the position after that step's last one: the scheduler sent this step before
-        it read that step's answer."""
+        at the position after that step's last one (the scheduler sent this step before
+        it read that step's answer), and the table entries before ``table_start`` that
+        step had."""
+        for index, seq in enumerate(step.seqs):
+            if seq.table_start and not seq.follows:
+                raise InvalidArgument(f"seqs[{index}].table_start: only a sequence that follows")
         followers = [(i, seq) for i, seq in enumerate(step.seqs) if seq.follows]
         if step.follows_step_id is None:
             if followers:
@@ -181,6 +185,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                     f"seq {seq.seq_id}"
                 )
             prior, output = drawn[seq.seq_id]
+            if seq.table_start > len(prior.block_table):
+                raise InvalidArgument(
+                    f"seqs[{index}].table_start: {seq.table_start} entries kept of a table "
+                    f"of {len(prior.block_table)} in step {before.step_id}"
+                )
+            if seq.table_start:
+                seq.block_table = prior.block_table[: seq.table_start] + seq.block_table
             seq.new_token_ids = [output.token_ids[-1]]
             seq.num_computed_tokens = prior.context_len + len(output.token_ids) - 1
 

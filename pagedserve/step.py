@@ -37,7 +37,9 @@ class SeqStep:
 
     A sequence that ``follows`` continues where the step before (``follows_step_id``)
     left it, sent before that step's answer came back: the executor fills in
-    ``new_token_ids`` (the last token that step drew) and ``num_computed_tokens``.
+    ``new_token_ids`` (the last token that step drew) and ``num_computed_tokens``, and
+    the first ``table_start`` entries of ``block_table``, unchanged since that step: the
+    wire carries only the blocks a decode step adds, not tables of hundreds of entries.
 
     With ``sampling_params.prompt_logprobs`` set and ``prompt_token_ids`` sent, the
     executor also scores the prompt: the logits at each new position p score the prompt
@@ -59,6 +61,7 @@ class SeqStep:
     output_token_ids: list[int] = field(default_factory=list)
     num_steps: int = 1
     follows: bool = False
+    table_start: int = 0
 
     @property
     def context_len(self) -> int:

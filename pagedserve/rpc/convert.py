@@ -109,7 +109,7 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
             seq_id=s.seq_id,
             new_token_ids=s.new_token_ids,
             num_computed_tokens=s.num_computed_tokens,
-            block_table=s.block_table,
+            block_table=s.block_table[s.table_start :] if s.table_start else s.block_table,
             sampling_params=entry[1],
             num_samples=s.num_samples,
             sample_index=s.sample_index,
@@ -117,6 +117,7 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
             output_token_ids=s.output_token_ids,
             num_steps=s.num_steps,
             follows=s.follows,
+            table_start=s.table_start,
         )
     if known is not None:
         known.clear()
@@ -125,7 +126,9 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
 
 
 def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
-    """Equal parameters are read and validated once per step, keyed by their bytes.
+    """Equal parameters are read and validated once per step, keyed by their bytes. A
+    sequence that follows keeps the table entries sent, from ``table_start`` on, until
+    the executor fills in the rest (SeqStep).
 
     Raises ValueError when a sequence's sampling parameters are invalid."""
     params: dict[bytes, SamplingParams] = {}
@@ -147,6 +150,7 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
                 output_token_ids=list(s.output_token_ids),
                 num_steps=max(s.num_steps, 1),
                 follows=s.follows,
+                table_start=s.table_start,
             )
         )
     return ExecuteStep(

@@ -328,11 +328,11 @@ class LLMEngine:
         """Decide and send the call after ``call`` while it runs; None when the next call
         depends on its outcome (Scheduler.schedule_ahead). Sequences ``call`` draws for go
         on from its last token, which the executor feeds in."""
-        drawing = {s.seq_id: s.num_steps for s in call.step.seqs if s.num_samples == 1}
-        out = self.scheduler.schedule_ahead(drawing)
+        drawn = {s.seq_id: s for s in call.step.seqs if s.num_samples == 1}
+        out = self.scheduler.schedule_ahead({i: s.num_steps for i, s in drawn.items()})
         if out is None:
             return None
-        step = self._build_step(out, call.step.step_id, drawing)
+        step = self._build_step(out, call.step.step_id, drawn)
         if self.journal is not None:
             for scheduled in out.scheduled:
                 self.journal.touch(scheduled.group)
@@ -597,19 +597,19 @@ class LLMEngine:
         self,
         out: SchedulerOutput,
         follows_step_id: int | None = None,
-        drawing: dict[int, int] | None = None,
+        drawn: dict[int, SeqStep] | None = None,
     ) -> ExecuteStep:
-        """The step ``out`` decides. Sent ahead of the call ``follows_step_id`` (which
-        draws ``drawing[seq_id]`` tokens for each sequence it samples), a decode of a
-        sequence it draws for follows it: the executor fills in the token and position."""
+        """The step ``out`` decides. Sent ahead of the call ``follows_step_id`` (``drawn``:
+        its steps of the sequences it draws one sample for), a decode of a sequence it
+        draws for follows it: the executor fills in the token and position."""
         seqs = []
         for scheduled in out.scheduled:
             group = scheduled.group
             for index, seq in enumerate(group.seqs):
                 if seq.status != SequenceStatus.RUNNING:
                     continue
-                if drawing is not None and not scheduled.is_prefill:
-                    seqs.append(self._follower(group, index, seq, drawing[seq.seq_id]))
+                if drawn is not None and not scheduled.is_prefill:
+                    seqs.append(self._follower(group, index, seq, drawn[seq.seq_id]))
                 else:
                     seqs.append(self._seq_step(group, index, seq))
         return ExecuteStep(
@@ -622,19 +622,26 @@ class LLMEngine:
             follows_step_id=follows_step_id,
         )
 
-    def _follower(self, group: SequenceGroup, index: int, seq: Sequence, drawing: int) -> SeqStep:
-        """A sequence going on from the call in flight, which draws ``drawing`` tokens
-        for it: its table maps the slots of both calls (Scheduler.schedule_ahead)."""
-        num_slots = self.scheduler.block_manager.num_slots(seq)
+    def _follower(
+        self, group: SequenceGroup, index: int, seq: Sequence, before: SeqStep
+    ) -> SeqStep:
+        """A sequence going on from the call in flight (``before``: its step there, which
+        draws ``before.num_steps`` tokens): its table maps the slots of both calls
+        (Scheduler.schedule_ahead), and the entries it shares with ``before``'s go unsent
+        (all are sent when a sliding window freed some since)."""
+        bm = self.scheduler.block_manager
+        table = list(bm.get_block_table(seq))
+        kept = len(before.block_table)
         return SeqStep(
             seq_id=seq.seq_id,
             new_token_ids=[],
             num_computed_tokens=0,
-            block_table=list(self.scheduler.block_manager.get_block_table(seq)),
+            block_table=table,
             sampling_params=group.sampling_params,
             sample_index=index,
-            num_steps=num_slots - (seq.get_len() + drawing) + 1,
+            num_steps=bm.num_slots(seq) - (seq.get_len() + before.num_steps) + 1,
             follows=True,
+            table_start=kept if table[:kept] == before.block_table else 0,
         )
 
     def _seq_step(self, group: SequenceGroup, index: int, seq: Sequence) -> SeqStep:

@@ -396,25 +396,25 @@ def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None
     assert cut.outputs[0].token_ids == whole.outputs[0].token_ids[:1]
 
 
-def _follower(step_id: int, epoch: int, follows: int, **seq_fields: object) -> ExecuteStep:
-    """One decode of seq 0 that goes on from step ``follows``: the executor fills in the
+def _follower(step_id: int, epoch: int, after: int, **seq_fields: object) -> ExecuteStep:
+    """One decode of seq 0 that goes on from step ``after``: the executor fills in the
     token and the position."""
-    step = _step(
-        step_id,
-        epoch,
+    fields = dict(
         new_token_ids=[],
         num_samples=1,
         follows=True,
         sampling_params=SamplingParams(temperature=0.0),
-        **seq_fields,
     )
-    return dataclasses.replace(step, follows_step_id=follows)
+    step = _step(step_id, epoch, **(fields | seq_fields))
+    return dataclasses.replace(step, follows_step_id=after)
 
 
-def test_a_step_that_follows_equals_the_step_spelled_out(server: Server) -> None:
+@pytest.mark.parametrize("table_start", [0, 1])
+def test_a_step_that_follows_equals_the_step_spelled_out(server: Server, table_start: int) -> None:
     """Sent before the answer it follows was read (async scheduling), a step draws what
     the same step with the token and position written out draws; a step of several
-    decodes in a row is followed from its last token."""
+    decodes in a row is followed from its last token. With ``table_start`` 1 the wire
+    carries no table entry: the executor takes block 0 from the step followed."""
     client = server.client
     epoch = server.next_epoch()
     greedy = SamplingParams(temperature=0.0)
@@ -431,7 +431,9 @@ def test_a_step_that_follows_equals_the_step_spelled_out(server: Server) -> None
     )
     want = client.execute(spelled).outputs[0].token_ids
     client.execute(dataclasses.replace(first, step_id=2))
-    got = client.execute(_follower(3, epoch, follows=2, num_steps=2))
+    follower = _follower(3, epoch, after=2, num_steps=2, table_start=table_start)
+    assert len(step_to_pb(follower).seqs[0].block_table) == 1 - table_start
+    got = client.execute(follower)
     assert got.outputs[0].token_ids == want
 
 
@@ -441,6 +443,13 @@ def test_a_step_that_follows_equals_the_step_spelled_out(server: Server) -> None
         (4, {}, grpc.StatusCode.FAILED_PRECONDITION, "follows step 4 .* last applied is step 5"),
         (None, {}, grpc.StatusCode.INVALID_ARGUMENT, "no follows_step_id"),
         (5, {"seq_id": 9}, grpc.StatusCode.INVALID_ARGUMENT, "drew no token for seq 9"),
+        (5, {"table_start": 2}, grpc.StatusCode.INVALID_ARGUMENT, "2 entries kept of a table of 1"),
+        (
+            5,
+            {"follows": False, "table_start": 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "table_start: only a sequence that follows",
+        ),
     ],
 )
 def test_a_step_that_cannot_follow_is_refused(
@@ -451,9 +460,7 @@ def test_a_step_that_cannot_follow_is_refused(
     client.execute(_step(4, epoch, num_samples=1))
     client.execute(_step(5, epoch, num_samples=1))
     before = client.get_stats()
-    step = dataclasses.replace(
-        _follower(6, epoch, follows=0, **seq_fields), follows_step_id=follows
-    )
+    step = dataclasses.replace(_follower(6, epoch, after=0, **seq_fields), follows_step_id=follows)
     with pytest.raises(StepRefused, match=why) as refused:
         client.execute(step)
     assert refused.value.code == code
@@ -516,8 +523,13 @@ def test_async_scheduling_over_grpc_matches_in_process(
     from executor_svc.executor import Executor
 
     info = server.client.init_cache()
-    remote, engine = _arrivals(server.client, info, server.next_epoch(), num_decode_steps)
+    recorded = _Recorded(server.client)
+    remote, engine = _arrivals(recorded, info, server.next_epoch(), num_decode_steps)
     assert engine.async_scheduling and engine.stats.num_steps_ahead > 0
+    followers = [s for step in recorded.steps for s in step.seqs if s.follows]
+    # The wire left out the entries of the tables followed, and carried the blocks added.
+    assert followers and all(s.table_start > 0 for s in followers)
+    assert any(len(s.block_table) > s.table_start for s in followers)
     local_executor = Executor(
         ExecutorConfig(
             model=str(tiny_model_dir),
@@ -532,6 +544,28 @@ def test_async_scheduling_over_grpc_matches_in_process(
     assert [tokens for tokens, _ in remote] == [tokens for tokens, _ in local]
     assert [lp for _, lp in remote] == pytest.approx([lp for _, lp in local], abs=1e-4)
     assert not engine.scheduler.block_manager.block_tables
+
+
+class _Recorded:
+    """The gRPC client, keeping every step it sends."""
+
+    def __init__(self, client: ExecutorClient) -> None:
+        self.client = client
+        self.steps: list[ExecuteStep] = []
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        self.steps.append(step)
+        return self.client.execute(step)
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        self.steps.append(step)
+        return self.client.start(step)
+
+    def fence(self, epoch: int) -> int | None:
+        return self.client.fence(epoch)
+
+    def end_steps(self, step_id: int) -> None:
+        self.client.end_steps(step_id)
 
 
 class _FirstCallAheadArrivesFirst:

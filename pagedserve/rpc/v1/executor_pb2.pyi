@@ -89,7 +89,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps", "follows")
+    __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps", "follows", "table_start")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class SequenceStep(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_START_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -112,7 +113,8 @@ class SequenceStep(_message.Message):
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_steps: int
     follows: bool
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., follows: _Optional[bool] = ...) -> None: ...
+    table_start: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., follows: _Optional[bool] = ..., table_start: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "follows_step_id")
