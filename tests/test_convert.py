@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedserve.rpc.convert import ParamsCache, step_from_pb, step_to_pb
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, SeqStep
@@ -17,10 +19,28 @@ def test_parameters_converted_in_an_earlier_step_are_sent_the_same() -> None:
     known: ParamsCache = {}
     first = _step(1, [greedy, sampled])
     assert step_to_pb(first, known) == step_to_pb(first)
-    assert {id(p) for p, _ in known.values()} == {id(greedy), id(sampled)}
+    assert {id(p) for p, _, _ in known.values()} == {id(greedy), id(sampled)}
     # The next step: one request left, a new one came with parameters of its own.
     newcomer = SamplingParams(temperature=0.0, top_k=5)
     second = _step(2, [sampled, newcomer])
     assert step_to_pb(second, known) == step_to_pb(second)
     assert step_from_pb(step_to_pb(second, known)) == second
-    assert [p for p, _ in known.values()] == [sampled, newcomer]  # the departed one is gone
+    assert [p for p, _, _ in known.values()] == [sampled, newcomer]  # the departed one is gone
+
+
+def test_equal_parameters_go_once_into_a_step() -> None:
+    """Each request has its own SamplingParams object; equal ones are sent once."""
+    greedy = [SamplingParams(temperature=0.0, max_tokens=9) for _ in range(3)]
+    other = SamplingParams(temperature=0.7)
+    step = _step(1, [greedy[0], other, greedy[1], greedy[2]])
+    message = step_to_pb(step)
+    assert len(message.sampling_params) == 2
+    assert [s.sampling_params_index for s in message.seqs] == [0, 1, 0, 0]
+    assert step_from_pb(message) == step
+
+
+def test_a_sequence_naming_no_parameters_is_refused() -> None:
+    message = step_to_pb(_step(1, [SamplingParams()]))
+    message.seqs[0].sampling_params_index = 1
+    with pytest.raises(ValueError, match="sampling_params_index: 1 of 1"):
+        step_from_pb(message)

@@ -77,12 +77,14 @@ def params_from_pb(m: pb.SamplingParameters) -> SamplingParams:
     )
 
 
-ParamsCache = dict[int, tuple[SamplingParams, pb.SamplingParameters]]  # by id(params)
+# By id(params): the object, its message and the message's bytes.
+ParamsCache = dict[int, tuple[SamplingParams, pb.SamplingParameters, bytes]]
 
 
 def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.ExecuteRequest:
-    """Sequences are added in place (a message passed in is copied) and the sequences of
-    one group share their SamplingParams, converted once.
+    """Sequences are added in place, and equal sampling parameters go once into the
+    request's list for all the sequences that have them (each request of hundreds has its
+    own SamplingParams object, most of them equal), each object converted once.
 
     ``known`` carries conversions from one step to the next (a request keeps its
     SamplingParams object for life) and is left holding this step's: each entry keeps its
@@ -98,19 +100,25 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
     )
     last = known if known is not None else {}
     params: ParamsCache = {}
+    indices: dict[bytes, int] = {}  # a message's bytes -> its place in the request's list
     add = request.seqs.add
     for s in step.seqs:
         key = id(s.sampling_params)
         entry = params.get(key) or last.get(key)
         if entry is None:
-            entry = (s.sampling_params, params_to_pb(s.sampling_params))
+            message = params_to_pb(s.sampling_params)
+            entry = (s.sampling_params, message, message.SerializeToString(deterministic=True))
         params[key] = entry
+        index = indices.get(entry[2])
+        if index is None:
+            index = indices[entry[2]] = len(indices)
+            request.sampling_params.append(entry[1])
         add(
             seq_id=s.seq_id,
             new_token_ids=s.new_token_ids,
             num_computed_tokens=s.num_computed_tokens,
             block_table=s.block_table[s.table_start :] if s.table_start else s.block_table,
-            sampling_params=entry[1],
+            sampling_params_index=index,
             num_samples=s.num_samples,
             sample_index=s.sample_index,
             prompt_token_ids=s.prompt_token_ids,
@@ -126,24 +134,26 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
 
 
 def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
-    """Equal parameters are read and validated once per step, keyed by their bytes. A
-    sequence that follows keeps the table entries sent, from ``table_start`` on, until
-    the executor fills in the rest (SeqStep).
+    """Each of the request's parameters is read and validated once. A sequence that
+    follows keeps the table entries sent, from ``table_start`` on, until the executor
+    fills in the rest (SeqStep).
 
-    Raises ValueError when a sequence's sampling parameters are invalid."""
-    params: dict[bytes, SamplingParams] = {}
+    Raises ValueError when sampling parameters are invalid or a sequence names none."""
+    params = [params_from_pb(p) for p in m.sampling_params]
     seqs = []
-    for s in m.seqs:
-        key = s.sampling_params.SerializeToString(deterministic=True)
-        if key not in params:
-            params[key] = params_from_pb(s.sampling_params)
+    for index, s in enumerate(m.seqs):
+        if s.sampling_params_index >= len(params):
+            raise ValueError(
+                f"seqs[{index}].sampling_params_index: {s.sampling_params_index} "
+                f"of {len(params)} sampling_params"
+            )
         seqs.append(
             SeqStep(
                 seq_id=s.seq_id,
                 new_token_ids=list(s.new_token_ids),
                 num_computed_tokens=s.num_computed_tokens,
                 block_table=list(s.block_table),
-                sampling_params=params[key],
+                sampling_params=params[s.sampling_params_index],
                 num_samples=s.num_samples,
                 sample_index=s.sample_index,
                 prompt_token_ids=list(s.prompt_token_ids),

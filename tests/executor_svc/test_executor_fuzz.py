@@ -98,7 +98,6 @@ def sequences(draw: st.DrawFn) -> pb.SequenceStep:
         new_token_ids=new_tokens,
         num_computed_tokens=num_computed,
         block_table=draw(st.lists(blocks, min_size=num_blocks, max_size=num_blocks + 1)),
-        sampling_params=draw(SAMPLING),
         num_samples=num_samples,
         sample_index=draw(st.integers(0, UINT32)),
         prompt_token_ids=draw(TOKENS),
@@ -198,9 +197,12 @@ def execute_requests(draw: st.DrawFn, pools: Pools) -> tuple[pb.ExecuteRequest, 
     """A valid step with up to three mutations, its epoch as an offset from the newest the
     executor has seen, and its step id against the last applied one ("last", "next", "max")."""
     request = pb.ExecuteRequest(seqs=draw(st.lists(sequences(), max_size=3)))
+    for index, seq in enumerate(request.seqs):  # parameters of their own
+        request.sampling_params.append(draw(SAMPLING))
+        seq.sampling_params_index = index
     for name in pools.limits():
         getattr(request, name).extend(draw(pools.pairs(name)))
-    targets = [request, *request.seqs, *(seq.sampling_params for seq in request.seqs)]
+    targets = [request, *request.seqs, *request.sampling_params]
     for _ in range(draw(st.sampled_from([0, 1, 1, 2, 3]))):
         draw(mutate(draw(st.sampled_from(targets))))
     epoch_offset = draw(st.sampled_from([-1, 0, 1, 1, 1]))

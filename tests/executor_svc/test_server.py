@@ -233,12 +233,12 @@ def _send(server: Server, request: pb.ExecuteRequest) -> grpc.StatusCode:
 
 
 def _nan_top_p(request: pb.ExecuteRequest) -> None:
-    request.seqs[0].sampling_params.top_p = float("nan")  # SamplingParams refuses it
+    request.sampling_params[0].top_p = float("nan")  # SamplingParams refuses it
 
 
 def _long_grammar_kind(request: pb.ExecuteRequest) -> None:
     # The fuzzer's find: a refusal quoting it all outgrew the status's metadata.
-    request.seqs[0].sampling_params.grammar.kind = "x" * 100_000
+    request.sampling_params[0].grammar.kind = "x" * 100_000
 
 
 @pytest.mark.parametrize("epoch", [2**63 - 1, MAX_UINT64])
@@ -267,7 +267,7 @@ def _set(**values: object) -> Corrupt:
     def corrupt(request: pb.ExecuteRequest) -> None:
         seq = request.seqs[0]
         for name, value in values.items():
-            target = seq if hasattr(pb.SequenceStep(), name) else seq.sampling_params
+            target = seq if hasattr(pb.SequenceStep(), name) else request.sampling_params[0]
             setattr(target, name, value)
 
     return corrupt
@@ -309,7 +309,8 @@ CORRUPTIONS: dict[str, Corrupt] = {
     "swap_out_to_int32_max": lambda r: r.blocks_to_swap_out.add(src=0, dst=2**31 - 1),
     "seqs_past_pool_slots": _seqs_beyond_the_pool,
     "duplicate_seq_id": _duplicate_seq,  # the fuzzer's first find: outputs are keyed by it
-    "no_sampling_params": _clear("sampling_params"),
+    "no_sampling_params": lambda r: r.ClearField("sampling_params"),
+    "sampling_params_index_past_them": _set(sampling_params_index=1),
     "top_p_nan": _nan_top_p,
     "grammar_kind_of_100_kb": _long_grammar_kind,
     "temperature_inf": _set(temperature=float("inf")),

@@ -89,12 +89,12 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps", "follows", "table_start")
+    __slots__ = ("seq_id", "new_token_ids", "num_computed_tokens", "block_table", "sampling_params_index", "num_samples", "sample_index", "prompt_token_ids", "output_token_ids", "num_steps", "follows", "table_start")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -106,7 +106,7 @@ class SequenceStep(_message.Message):
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
-    sampling_params: SamplingParameters
+    sampling_params_index: int
     num_samples: int
     sample_index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -114,10 +114,10 @@ class SequenceStep(_message.Message):
     num_steps: int
     follows: bool
     table_start: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., follows: _Optional[bool] = ..., table_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., follows: _Optional[bool] = ..., table_start: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "follows_step_id")
+    __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "follows_step_id", "sampling_params")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class ExecuteRequest(_message.Message):
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     seqs: _containers.RepeatedCompositeFieldContainer[SequenceStep]
@@ -132,7 +133,8 @@ class ExecuteRequest(_message.Message):
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
     follows_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., follows_step_id: _Optional[int] = ...) -> None: ...
+    sampling_params: _containers.RepeatedCompositeFieldContainer[SamplingParameters]
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., follows_step_id: _Optional[int] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParameters, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
