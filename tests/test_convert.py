@@ -1,12 +1,18 @@
-"""The executor API's pb conversions: what a step carries is what arrives."""
+"""The executor API's pb conversions: what a step or a result carries is what arrives."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.rpc.convert import ParamsCache, step_from_pb, step_to_pb
+from pagedserve.rpc.convert import (
+    ParamsCache,
+    result_from_pb,
+    result_to_pb,
+    step_from_pb,
+    step_to_pb,
+)
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteStep, SeqStep
+from pagedserve.step import ExecuteStep, PromptLogprob, SeqOutput, SeqStep, StepResult
 
 
 def _step(step_id: int, params: list[SamplingParams]) -> ExecuteStep:
@@ -44,3 +50,34 @@ def test_a_sequence_naming_no_parameters_is_refused() -> None:
     message.seqs[0].sampling_params_index = 1
     with pytest.raises(ValueError, match="sampling_params_index: 1 of 1"):
         step_from_pb(message)
+
+
+def test_results_of_drawn_tokens_alone_go_in_columns_and_come_back_equal() -> None:
+    one_step = StepResult(3, [SeqOutput(i, [100 + i], [-0.25 * i]) for i in range(4)])
+    in_a_row = StepResult(
+        4, [SeqOutput(7, [1, 2, 3], [-1.0, -2.0, -3.0]), SeqOutput(2, [9], [0.0])]
+    )
+    for result in (one_step, in_a_row, StepResult(5, [])):
+        message = result_to_pb(result)
+        assert message.HasField("drawn") and not message.outputs
+        assert result_from_pb(message) == result
+    # Anything more than tokens and logprobs: one message per output, in request order.
+    mixed = StepResult(
+        6,
+        [
+            SeqOutput(1, [5], [-0.5], top_logprobs=[{5: -0.5, 6: -1.5}]),
+            SeqOutput(2, [], [], error="grammar refused"),
+            SeqOutput(3, [8], [-0.1], prompt_logprobs=[PromptLogprob(-2.0, 3, {4: -1.0})]),
+            SeqOutput(4, [9], [-0.2]),
+        ],
+    )
+    message = result_to_pb(mixed)
+    assert not message.HasField("drawn") and len(message.outputs) == 4
+    assert result_from_pb(message) == mixed
+
+
+def test_columns_that_do_not_add_up_are_refused() -> None:
+    message = result_to_pb(StepResult(3, [SeqOutput(1, [5, 6], [-0.5, -0.6])]))
+    message.drawn.counts[0] = 3
+    with pytest.raises(ValueError, match="2 tokens, 2 logprobs, counts 3"):
+        result_from_pb(message)

@@ -191,7 +191,16 @@ def _prompt_logprob_to_pb(scored: PromptLogprob) -> pb.PromptLogprob:
 
 
 def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
-    outputs = [
+    outputs = result.outputs
+    if not any(o.top_logprobs or o.prompt_logprobs or o.error for o in outputs):
+        drawn = pb.DrawnColumns(
+            seq_ids=[o.seq_id for o in outputs],
+            counts=[len(o.token_ids) for o in outputs],
+            token_ids=[t for o in outputs for t in o.token_ids],
+            logprobs=[lp for o in outputs for lp in o.logprobs],
+        )
+        return pb.ExecuteResponse(step_id=result.step_id, drawn=drawn)
+    messages = [
         pb.SequenceOutput(
             seq_id=o.seq_id,
             token_ids=o.token_ids,
@@ -200,14 +209,16 @@ def result_to_pb(result: StepResult) -> pb.ExecuteResponse:
             prompt_logprobs=[_prompt_logprob_to_pb(scored) for scored in o.prompt_logprobs],
             error=o.error,
         )
-        for o in result.outputs
+        for o in outputs
     ]
-    return pb.ExecuteResponse(step_id=result.step_id, outputs=outputs)
+    return pb.ExecuteResponse(step_id=result.step_id, outputs=messages)
 
 
 def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
     """A decode step's output is a token and its logprob: the rest is read only when sent
     (each read of a pb field costs a call, and this runs for every sequence of a step)."""
+    if m.HasField("drawn"):
+        return StepResult(step_id=m.step_id, outputs=_drawn_from_pb(m.drawn))
     outputs = []
     for o in m.outputs:
         out = SeqOutput(o.seq_id, list(o.token_ids), list(o.logprobs), error=o.error)
@@ -220,6 +231,25 @@ def result_from_pb(m: pb.ExecuteResponse) -> StepResult:
             ]
         outputs.append(out)
     return StepResult(step_id=m.step_id, outputs=outputs)
+
+
+def _drawn_from_pb(m: pb.DrawnColumns) -> list[SeqOutput]:
+    counts, token_ids, logprobs = list(m.counts), list(m.token_ids), list(m.logprobs)
+    if len(token_ids) != len(logprobs) or len(token_ids) != sum(counts):
+        raise ValueError(
+            f"drawn: {len(token_ids)} tokens, {len(logprobs)} logprobs, counts {sum(counts)}"
+        )
+    if all(count == 1 for count in counts):  # one decode step
+        return [
+            SeqOutput(seq_id, [t], [lp])
+            for seq_id, t, lp in zip(m.seq_ids, token_ids, logprobs, strict=True)
+        ]
+    outputs, start = [], 0
+    for seq_id, count in zip(m.seq_ids, counts, strict=True):
+        end = start + count
+        outputs.append(SeqOutput(seq_id, token_ids[start:end], logprobs[start:end]))
+        start = end
+    return outputs
 
 
 def model_info_to_pb(info: ModelInfo) -> pb.InitCacheResponse:

@@ -361,7 +361,8 @@ def test_every_call_is_applied_whole_or_refused_whole(
         executor.check_canaries()
         return
     if kind == "Execute":
-        assert [o.seq_id for o in answer.outputs] == [s.seq_id for s in sent.seqs]
+        outputs = result_from_pb(answer).outputs
+        assert [o.seq_id for o in outputs] == [s.seq_id for s in sent.seqs]
     gpu, cpu = _written_blocks(kind, sent)
     if GPU_CANARY in gpu or executor.pools.cpu_canary in cpu:
         executor.write_canaries()  # the call named a canary's block: its KV is new
