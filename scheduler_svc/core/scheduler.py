@@ -120,8 +120,10 @@ class Scheduler:
 
     def free_finished(self) -> list[SequenceGroup]:
         """Drop finished groups from the running queue; their blocks were freed per sequence."""
-        done = [g for g in self.running if g.is_finished()]
-        self.running = [g for g in self.running if not g.is_finished()]
+        done, running = [], []
+        for group in self.running:
+            (done if group.is_finished() else running).append(group)
+        self.running = running
         return done
 
     def schedule(self) -> SchedulerOutput:

@@ -131,9 +131,12 @@ class SequenceGroup:
         self.prompt_logprobs += scored[have - first :]
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        seqs = self.seqs
         if status is None:
-            return list(self.seqs)
-        return [seq for seq in self.seqs if seq.status == status]
+            return list(seqs)
+        if len(seqs) == 1:  # most groups, several times a step each: no comprehension
+            return [seqs[0]] if seqs[0].status == status else []
+        return [seq for seq in seqs if seq.status == status]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))

@@ -207,12 +207,17 @@ class Journal:
 
 
 def _queue_of(group: SequenceGroup) -> str:
+    if len(group.seqs) == 1:
+        return _QUEUE_OF_STATUS.get(group.seqs[0].status, "waiting")
     statuses = {seq.status for seq in group.seqs}
     if SequenceStatus.RUNNING in statuses:
         return "running"
     if SequenceStatus.SWAPPED in statuses:
         return "swapped"
     return "waiting"
+
+
+_QUEUE_OF_STATUS = {SequenceStatus.RUNNING: "running", SequenceStatus.SWAPPED: "swapped"}
 
 
 def _tables_of(scheduler: Scheduler, group: SequenceGroup) -> dict[int, tuple[list[int], int]]:
