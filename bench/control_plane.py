@@ -46,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import VOCAB_SIZE, print_table, progress, pyplot, write_json
 from bench.launch import free_port, healthy, process, redis_url
+from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable
 
 TARGETS = {"one_step": 0.90, "steps_in_a_row": 0.95}  # busy fraction at 5 ms, 256 seqs
@@ -245,6 +246,7 @@ def scheduler(
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
     cmd += ["--decode-steps-quiet=0", "--max-token-slowdown=0"]
     cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
+    cmd.append(f"--commit-interval={args.commit_interval}")
     with process(cmd, "scheduler", lambda: healthy(url)) as proc:
         yield url, proc.pid
 
@@ -349,6 +351,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="its tokenizer and limits")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-gpu-blocks", type=int, default=65536)
+    p.add_argument(
+        "--commit-interval",
+        type=float,
+        default=SERVING_COMMIT_INTERVAL_S,
+        help="the scheduler's --commit-interval, seconds (default: a server's); 0: every call",
+    )
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="else a private one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")

@@ -72,6 +72,10 @@ CHUNKED_PREFILL_BUDGET = 2048
 SERVING_MAX_TOKEN_SLOWDOWN = 4.0
 # Requests waiting that say arrivals outpace the executor by far: pacing starts there.
 PACING_BACKLOG = 16
+# A server's commit_interval_s: calls that only continue streams and come back within it
+# share one journal commit. Steps on this CPU take longer, so it changes nothing here; an
+# accelerator's few-millisecond steps are then not each followed by a commit's work.
+SERVING_COMMIT_INTERVAL_S = 0.025
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
     max_token_slowdown: float = 0.0
+    commit_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -97,6 +102,8 @@ class SchedulerConfig:
             raise ValueError(f"decode_steps_quiet_s must be >= 0, got {self.decode_steps_quiet_s}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.commit_interval_s >= 0:  # also refuses NaN
+            raise ValueError(f"commit_interval_s must be >= 0, got {self.commit_interval_s}")
         if not (self.max_token_slowdown == 0 or self.max_token_slowdown >= 1):  # and NaN
             raise ValueError(
                 f"max_token_slowdown must be 0 (off) or >= 1, got {self.max_token_slowdown}"
@@ -165,6 +172,18 @@ class EngineOptions:
             "are refused (429); 0: admit whenever sequences and blocks allow"
         ),
     )
+    commit_interval_s: float = field(
+        default=SERVING_COMMIT_INTERVAL_S,
+        metadata=_help(
+            "with async scheduling, calls that only continue running streams and come back "
+            "within this many seconds of the last journal commit share the next one: with "
+            "fast steps the scheduler then does a commit's work for several calls, and their "
+            "tokens reach clients up to this much later (a call that starts or ends a request "
+            "commits at once; a crash in between loses nothing, the calls are recomputed); "
+            "0: commit after every call",
+            flag="commit_interval",
+        ),
+    )
     preemption_mode: PreemptionMode | None = field(
         default=None,
         metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
@@ -199,6 +218,7 @@ class EngineOptions:
             enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
             max_token_slowdown=self.max_token_slowdown,
+            commit_interval_s=self.commit_interval_s,
         )
         return cache, scheduler
 

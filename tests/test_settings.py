@@ -15,6 +15,7 @@ from pagedserve.flags import add_flags, env_name, from_args, to_flags
 from pagedserve.model_info import ModelInfo
 from pagedserve.settings import (
     CHUNKED_PREFILL_BUDGET,
+    SERVING_COMMIT_INTERVAL_S,
     SERVING_DECODE_STEPS_QUIET_S,
     SERVING_MAX_TOKEN_SLOWDOWN,
     ApiConfig,
@@ -39,6 +40,8 @@ INFO = ModelInfo("m", 100, 16384, 2, block_size=16, num_gpu_blocks=64, num_cpu_b
         ("max_token_slowdown", 0.5),
         ("max_token_slowdown", -1.0),
         ("max_token_slowdown", math.nan),
+        ("commit_interval_s", -0.01),
+        ("commit_interval_s", math.nan),
     ],
 )
 def test_scheduler_config_refuses_a_bad_setting(field: str, value: float) -> None:
@@ -71,6 +74,16 @@ def test_offline_engines_admit_at_once_and_servers_pace_the_running_streams() ->
         assert engine.configs(INFO)[1].max_token_slowdown == SERVING_MAX_TOKEN_SLOWDOWN
         args = build_parser().parse_args([command, "--max-token-slowdown", "0"])
         assert from_args(SchedulerOptions, args).engine.max_token_slowdown == 0.0
+
+
+def test_offline_engines_commit_every_call_and_servers_share_commits_of_fast_calls() -> None:
+    assert SchedulerConfig().commit_interval_s == 0.0
+    for command in ("serve", "scheduler"):
+        args = build_parser().parse_args([command])
+        engine = from_args(SchedulerOptions, args).engine
+        assert engine.configs(INFO)[1].commit_interval_s == SERVING_COMMIT_INTERVAL_S
+        args = build_parser().parse_args([command, "--commit-interval", "0"])
+        assert from_args(SchedulerOptions, args).engine.configs(INFO)[1].commit_interval_s == 0
 
 
 def test_the_engine_config_follows_the_executor_and_the_options() -> None:

@@ -73,8 +73,9 @@ class StepOutcome:
     text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
     deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
-    # The commit that holds ``deltas``, still on its way to the store: publish them once it
-    # has landed, so that no client sees an event a restart would not find (None: landed).
+    # The commit that holds ``deltas``, still on its way to the store or still to be made
+    # (Journal.next_landing): publish them once it has landed, so that no client sees an
+    # event a restart would not find (None: landed).
     durable: Future[None] | None = None
 
 
@@ -285,6 +286,9 @@ class LLMEngine:
         outcome = self._apply(call.out, call.step, result)
         self._time_tokens(call.step, result)
         if self._ahead is not None and journal is not None:
+            if not self._commit_due(outcome):
+                outcome.durable = journal.next_landing()
+                return outcome
             # The state after this call, while the next one runs; the next is not pending
             # (a new leader finds the executor past this commit and recomputes). The round
             # trip to the store overlaps the next call's scheduling too.
@@ -292,6 +296,17 @@ class LLMEngine:
             outcome.durable = journal.commit(self.scheduler, meta, wait=False)
             journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
+
+    def _commit_due(self, outcome: StepOutcome) -> bool:
+        """Whether the call just applied, sent ahead of the next, is committed now. One that
+        only continued streams waits for a later commit while the last began less than
+        ``commit_interval_s`` ago: its events are published with that commit, and a crash
+        before it finds the executor past the journal, which recomputes (docs/architecture.md,
+        "Async scheduling"). A first token or an end is committed at once."""
+        interval = self.scheduler.config.commit_interval_s
+        if not interval or outcome.finished or any(d.event == 1 for d in outcome.deltas):
+            return True
+        return time.monotonic() - self.journal.committed_at >= interval
 
     def _time_tokens(self, step: ExecuteStep, result: StepResult) -> None:
         """Tell the scheduler's pace how long the running streams waited per token since

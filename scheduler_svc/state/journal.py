@@ -23,6 +23,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -71,6 +72,8 @@ class Journal:
         self.halt = threading.Event()  # set when the term ends: stop resending commits
         self._landing: Future[None] | None = None  # a commit on its way (commit, wait=False)
         self._writer: ThreadPoolExecutor | None = None
+        self._next: list[Future[None]] = []  # see next_landing
+        self.committed_at = 0.0  # time.monotonic() of the last commit's start
 
     def begin(self, epoch: int | None = None) -> StoredState:
         """Read back what the last leader left, under ``epoch`` (the caller's lease) or a
@@ -109,6 +112,13 @@ class Journal:
     def defer(self, events: list[RequestDelta]) -> None:
         """Hold a step's stream events for the next commit."""
         self._events += events
+
+    def next_landing(self) -> Future[None]:
+        """A future the next commit settles, as its own: for a step's events deferred to
+        it (LLMEngine's commit interval)."""
+        future: Future[None] = Future()
+        self._next.append(future)
+        return future
 
     @property
     def has_deferred(self) -> bool:
@@ -156,13 +166,24 @@ class Journal:
             taken_over=dict(self._taken),
         )
         self.settle()
+        self.committed_at = time.monotonic()
+        waiting, self._next = self._next, []
         landing = None
         if wait:
-            self._send(commit)
+            try:
+                self._send(commit)
+            except BaseException as e:
+                for future in waiting:
+                    future.set_exception(e)
+                raise
+            for future in waiting:
+                future.set_result(None)
         else:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal")
             landing = self._landing = self._writer.submit(self._send, commit)
+            if waiting:
+                landing.add_done_callback(lambda done: _settle(waiting, done))
         self._marks.update(marks)
         for rid in self._deleted:
             self._marks.pop(rid, None)
@@ -196,14 +217,27 @@ class Journal:
                 delay = min(delay * 2, RETRY_MAX_S)
 
     def crash_if_asked(self, where: str, settle: Callable[[], object] | None = None) -> None:
-        """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT),
-        after ``settle()`` (waiting for the executor to apply the step sent)."""
+        """Test hook: die like kill -9 at a named step boundary (PAGEDSERVE_CRASH_AT) of
+        step N or, for a boundary that a step may pass by (a commit shared with later
+        calls), of the first step after N to reach it; after ``settle()`` (waiting for
+        the executor to apply the step sent)."""
         if where == "before_persist":
             self._num_steps += 1
-        if self._crash_at == (where, self._num_steps):
+        crash_at = self._crash_at
+        if crash_at is not None and crash_at[0] == where and crash_at[1] <= self._num_steps:
             if settle is not None:
                 settle()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _settle(futures: list[Future[None]], done: Future[None]) -> None:
+    """Give each of ``futures`` the outcome of the commit ``done``."""
+    error = done.exception()
+    for future in futures:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def _queue_of(group: SequenceGroup) -> str:

@@ -20,8 +20,10 @@ from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
-from scheduler_svc.engine.engine import LLMEngine, StepExecutor
+from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
+from scheduler_svc.state.journal import Journal
+from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit
 from tests.executor_svc.executor_proc import (
     NUM_GPU_BLOCKS,
     SWAP_GIB,
@@ -484,18 +486,33 @@ def test_the_step_before_the_last_is_answered_again(server: Server) -> None:
 
 
 def _arrivals(
-    executor: StepExecutor, info: ModelInfo, epoch: int, num_decode_steps: int
+    executor: StepExecutor,
+    info: ModelInfo,
+    epoch: int,
+    num_decode_steps: int,
+    journal: Journal | None = None,
+    commit_interval_s: float = 0.0,
+    outcomes: list[StepOutcome] | None = None,
 ) -> tuple[list, LLMEngine]:
     """Greedy and seeded requests, each arriving after a step of those before it, to the
-    end; their tokens and cumulative logprobs, and the engine."""
+    end; their tokens and cumulative logprobs, and the engine. Each step's outcome goes
+    to ``outcomes``."""
     cache = CacheConfig(
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
         num_cpu_blocks=info.num_cpu_blocks,
     )
-    sched = SchedulerConfig(max_model_len=info.max_model_len, num_decode_steps=num_decode_steps)
-    engine = LLMEngine(executor, cache, sched, info.eos_token_id)
-    engine.epoch = epoch
+    sched = SchedulerConfig(
+        max_model_len=info.max_model_len,
+        num_decode_steps=num_decode_steps,
+        commit_interval_s=commit_interval_s,
+    )
+    engine = LLMEngine(executor, cache, sched, info.eos_token_id, journal=journal)
+    if journal is None:
+        engine.epoch = epoch
+    else:
+        engine.recover(journal.store.begin_epoch(epoch))
+    steps = outcomes if outcomes is not None else []
     rng = random.Random(1)
     groups = []
     for i in range(6):
@@ -508,9 +525,10 @@ def _arrivals(
             logprobs=1,
         )
         groups.append(engine.add_request(str(i), prompt, params))
-        engine.step()  # the next request arrives while these run
+        steps.append(engine.step())  # the next request arrives while these run
     while engine.has_unfinished():
-        engine.step()
+        steps.append(engine.step())
+    engine.flush()
     return [(s.output_token_ids, s.cumulative_logprob) for g in groups for s in g.seqs], engine
 
 
@@ -545,6 +563,38 @@ def test_async_scheduling_over_grpc_matches_in_process(
     assert [tokens for tokens, _ in remote] == [tokens for tokens, _ in local]
     assert [lp for _, lp in remote] == pytest.approx([lp for _, lp in local], abs=1e-4)
     assert not engine.scheduler.block_manager.block_tables
+
+
+class _CountedStore(InMemoryStateStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_commits = 0
+
+    def commit(self, commit: StepCommit) -> bool:
+        self.num_commits += 1
+        return super().commit(commit)
+
+
+def test_calls_that_only_continue_streams_share_a_commit(server: Server) -> None:
+    """With a commit interval longer than the run, calls sent ahead are committed only
+    where a request starts or ends: the others' events wait for a later commit and are
+    durable once it lands, and the tokens are those of a commit after every call."""
+    info = server.client.init_cache()
+    runs = {}
+    for interval in (0.0, 60.0):
+        store, outcomes = _CountedStore(), []
+        tokens, engine = _arrivals(
+            server.client, info, server.next_epoch(), 1, Journal(store), interval, outcomes
+        )
+        assert engine.stats.num_steps_ahead > 0
+        assert all(o.durable is None or o.durable.result(timeout=0) is None for o in outcomes)
+        assert not store.load().groups  # every request ended, and the store knows it
+        events = [store.read_events(str(i)) for i in range(6)]
+        runs[interval] = tokens, events, store.num_commits, len(outcomes)
+    (every, events, num_every, num_calls), (shared, kept, num_shared, _) = runs[0.0], runs[60.0]
+    assert [t for t, _ in shared] == [t for t, _ in every]
+    assert [len(e) for e in kept] == [len(e) for e in events]  # no event lost or merged
+    assert num_shared < num_every and num_every >= num_calls
 
 
 class _Recorded:
