@@ -554,7 +554,8 @@ CRASH_POINTS = ("before_persist", "after_send", "after_persist", "after_execute"
 def crash_point() -> tuple[str, int] | None:
     """``PAGEDSERVE_CRASH_AT=where:step`` (tests only): kill -9 the scheduler at a step
     boundary — ``before_persist``, ``after_send`` (sent to the executor, not journaled),
-    ``after_persist`` or ``after_execute`` of step N."""
+    ``after_persist`` or ``after_execute`` of step N (``after_persist``: of the first step
+    from N on that commits, when calls share commits)."""
     value = os.environ.get("PAGEDSERVE_CRASH_AT")
     if not value:
         return None
