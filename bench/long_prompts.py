@@ -33,6 +33,7 @@ import httpx
 
 from bench.common import VOCAB_SIZE, percentile, print_table, progress, pyplot, write_json
 from bench.launch import pagedserve_server
+from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 
 
 async def stream(client: httpx.AsyncClient, payload: dict, times: list[float]) -> None:
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "float32",
             "max_model_len": args.max_model_len,
             "num_gpu_blocks": args.num_gpu_blocks,
+            "commit_interval": args.commit_interval,
         }
         with pagedserve_server(flags | setting_flags(setting)) as url:
             results[setting] = asyncio.run(run_setting(url, args, f"chunks {setting}"))
@@ -176,6 +178,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument(
+        "--commit-interval",
+        type=float,
+        default=SERVING_COMMIT_INTERVAL_S,
+        help="the server's --commit-interval, seconds: calls faster than it reach the "
+        "streams together (0: each call's tokens as it comes back)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
     args = p.parse_args(argv)

@@ -156,10 +156,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         at the position after that step's last one (the scheduler sent this step before
         it read that step's answer), and the table entries before ``table_start`` that
         step had."""
+        followers = []
         for index, seq in enumerate(step.seqs):
-            if seq.table_start and not seq.follows:
+            if seq.follows:
+                followers.append((index, seq))
+            elif seq.table_start:
                 raise InvalidArgument(f"seqs[{index}].table_start: only a sequence that follows")
-        followers = [(i, seq) for i, seq in enumerate(step.seqs) if seq.follows]
         if step.follows_step_id is None:
             if followers:
                 raise InvalidArgument(f"seqs[{followers[0][0]}].follows: no follows_step_id")

@@ -29,6 +29,9 @@ def test_long_prompts_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> N
     cmd = [sys.executable, str(ROOT / "bench/long_prompts.py"), f"--model={tiny_chat_model_dir}"]
     cmd += ["--settings=off,32", "--long-lens=200,300", "--streams=2", "--stream-prompt=8"]
     cmd += ["--lead=0.5", "--gap=0.2", "--max-model-len=1024", "--num-gpu-blocks=256"]
+    # The toy model's calls are faster than a server's commit interval, which would hand
+    # the streams several tokens at once: each call's tokens as it comes back instead.
+    cmd.append("--commit-interval=0")
     cmd.append(f"--json={out}")
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -37,8 +40,5 @@ def test_long_prompts_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> N
     assert list(settings) == ["off", "32"]
     for s in settings.values():
         assert len(s["long_prompt_ttft_s"]) == 2 and min(s["long_prompt_ttft_s"]) > 0
-        # The toy model's calls come back within the server's commit interval: calls that
-        # share a commit reach the client together, so half the gaps may be nil.
-        assert s["stream_tokens"] > 0 and 0 <= s["itl_ms"]["p50"] <= s["itl_ms"]["max"]
-        assert s["itl_ms"]["max"] > 0
+        assert s["stream_tokens"] > 0 and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["max"]
     assert out.with_suffix(".png").stat().st_size > 10_000

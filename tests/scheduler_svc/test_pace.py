@@ -8,9 +8,8 @@ import time
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import CacheConfig, SchedulerConfig
+from pagedserve.settings import PACING_BACKLOG, CacheConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqOutput, StepResult
-from scheduler_svc.core.pace import BACKLOG
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine.engine import LLMEngine
 
@@ -59,16 +58,18 @@ def run_overloaded(max_token_slowdown: float, num_requests: int) -> list[tuple[i
     return executor.batches
 
 
-@pytest.mark.parametrize(("slowdown", "num_requests"), [(0.0, 40), (3.0, 40), (3.0, BACKLOG - 1)])
+@pytest.mark.parametrize(
+    ("slowdown", "num_requests"), [(0.0, 40), (3.0, 40), (3.0, PACING_BACKLOG - 1)]
+)
 def test_a_backlog_goes_in_only_while_a_token_takes_less_than_three_times_the_fastest(
     slowdown, num_requests
 ):
     steps = run_overloaded(slowdown, num_requests)
     batches = [batch for batch, _ in steps]
-    if slowdown and num_requests >= BACKLOG:
-        # While BACKLOG wait: ~3 sequences take three times one's time; 6 join at most.
+    if slowdown and num_requests >= PACING_BACKLOG:
+        # While PACING_BACKLOG wait: ~3 sequences take three times one's time; 6 join at most.
         # Then the rest goes in as it fits.
-        backlogged = [batch for batch, waiting in steps if waiting >= BACKLOG]
+        backlogged = [batch for batch, waiting in steps if waiting >= PACING_BACKLOG]
         assert len(backlogged) > 20 and max(backlogged) <= 12, steps
     else:  # no limit, or no backlog: in as fast as the token budget lets them
         assert max(batches) == num_requests + 1, batches

@@ -8,10 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.settings import PreemptionMode, SchedulerConfig
+from pagedserve.settings import PACING_BACKLOG, PreemptionMode, SchedulerConfig
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.output_processor import OutputProcessor
-from scheduler_svc.core.pace import BACKLOG
 from scheduler_svc.core.scheduler import RequestRejectedError, Scheduler
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.scheduler_svc.fake_executor import EOS, FakeExecutor, run_engine, step
@@ -159,10 +158,10 @@ def _paced_scheduler(num_waiting: int) -> tuple[Scheduler, OutputProcessor, Fake
 
 
 def test_a_backlog_waits_while_the_running_streams_are_past_their_pace():
-    """With max_token_slowdown 4 and BACKLOG requests waiting, none goes in while tokens
+    """With max_token_slowdown 4 and PACING_BACKLOG requests waiting, none goes in while tokens
     have lately taken more than four times the fastest, one a step past twice; with
     nothing running, all that fit."""
-    scheduler, processor, executor = _paced_scheduler(BACKLOG + 1)
+    scheduler, processor, executor = _paced_scheduler(PACING_BACKLOG + 1)
     scheduler.pace.observe(0.010)  # the fastest: 10 ms a token
     for _ in range(8):
         scheduler.pace.observe(0.050)  # lately about 50: past four times
@@ -174,25 +173,25 @@ def test_a_backlog_waits_while_the_running_streams_are_past_their_pace():
     assert 0.020 < scheduler.pace.recent < 0.040
     out, _ = step(scheduler, processor, executor)
     assert [s.group.request_id for s in out.scheduled] == ["r0", "r1"]
-    assert len(scheduler.waiting) == BACKLOG
+    assert len(scheduler.waiting) == PACING_BACKLOG
     for _ in range(16):
         scheduler.pace.observe(0.050)
     while scheduler.running:  # r0 and r1 end; the backlog stays out
         step(scheduler, processor, executor)
-    assert len(scheduler.waiting) == BACKLOG
+    assert len(scheduler.waiting) == PACING_BACKLOG
     out, _ = step(scheduler, processor, executor)  # nothing runs: all that fit
-    assert len(out.scheduled) == BACKLOG and not scheduler.waiting
+    assert len(out.scheduled) == PACING_BACKLOG and not scheduler.waiting
 
 
 def test_a_short_queue_goes_in_past_the_pace_limit():
-    """Short of BACKLOG waiting, arrivals do not outpace the executor by far: holding
+    """Short of PACING_BACKLOG waiting, arrivals do not outpace the executor by far: holding
     them back would only trade their first token's wait for the others' pace."""
-    scheduler, processor, executor = _paced_scheduler(BACKLOG - 1)
+    scheduler, processor, executor = _paced_scheduler(PACING_BACKLOG - 1)
     scheduler.pace.observe(0.010)
     for _ in range(8):
         scheduler.pace.observe(0.050)
     out, _ = step(scheduler, processor, executor)
-    assert len(out.scheduled) == BACKLOG and not scheduler.waiting
+    assert len(out.scheduled) == PACING_BACKLOG and not scheduler.waiting
 
 
 def test_requests_that_can_never_fit_are_rejected_at_once():
