@@ -16,6 +16,7 @@ import pytest
 
 from scheduler_svc.state.redis_store import RedisStateStore
 from tests.cluster import (
+    MAX_TOKENS,
     body,
     metric,
     reference_texts,
@@ -131,8 +132,14 @@ def test_a_redis_restarted_empty_is_led_past_the_executors_epoch(
     assert stream_text(url, PROMPTS[0]) == reference[PROMPTS[0]]  # the executor saw epochs
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        in_flight = [pool.submit(complete_status, url, p) for p in PROMPTS]
-        wait_until(lambda: metric(url, "num_requests") >= 1, 60, "a request in the engine")
+        # Long enough to be in flight when polled; should one finish first anyway (it once
+        # did, all four between two polls), the restart strikes the rest.
+        in_flight = [pool.submit(complete_status, url, p, OUTAGE_TOKENS) for p in PROMPTS]
+
+        def in_engine() -> bool:
+            return metric(url, "num_requests") >= 1 or any(f.done() for f in in_flight)
+
+        wait_until(in_engine, 60, "a request in the engine")
         redis_server.restart_empty()
         assert all(isinstance(f.result(timeout=180), int) for f in in_flight)
     wait_executors(url, 1)
@@ -141,8 +148,9 @@ def test_a_redis_restarted_empty_is_led_past_the_executors_epoch(
     assert all(proc.poll() is None for proc in procs.values())
 
 
-def complete_status(url: str, prompt: str) -> int:
-    return httpx.post(f"{url}/v1/completions", json=body(url, prompt), timeout=120).status_code
+def complete_status(url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> int:
+    request = body(url, prompt, max_tokens=max_tokens)
+    return httpx.post(f"{url}/v1/completions", json=request, timeout=120).status_code
 
 
 def test_past_its_budget_a_stream_ends_with_an_error_and_resumes(
