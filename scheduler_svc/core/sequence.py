@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import PromptLogprob
@@ -22,13 +23,14 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
+        return self in _FINISHED  # hundreds of times a step: no lookup through the class
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+_FINISHED = frozenset(s for s in SequenceStatus if s >= SequenceStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -52,6 +54,11 @@ class Sequence:
     output_text: str = ""
     prefix_offset: int = 0  # detokenizer window, see scheduler_svc/engine/detokenizer.py
     read_offset: int = 0
+    # That window in the tokenizer's own streaming decoder; rebuilt from the offsets, so
+    # not persisted (TRANSIENT) nor compared.
+    decoder: Any = field(default=None, compare=False, repr=False)
+
+    TRANSIENT: ClassVar[frozenset[str]] = frozenset({"decoder"})
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -142,7 +149,10 @@ class SequenceGroup:
         return len(self.get_seqs(status))
 
     def is_finished(self) -> bool:
-        return all(seq.status.is_finished for seq in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].status in _FINISHED
+        return all(seq.status in _FINISHED for seq in seqs)
 
     def outputs(self) -> list[Sequence]:
         """The ``n`` sequences to return: best beams by length-normalised score, best of

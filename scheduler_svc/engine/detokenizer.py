@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 from scheduler_svc.core.sequence import Sequence
 
@@ -21,11 +22,21 @@ class Detokenizer:
 
         output ids: ..... [prefix_offset ...... read_offset | new tokens ]
                            already emitted, kept as context   text to emit
+
+    One new token, the usual case, goes through the sequence's ``DecodeStream`` of
+    Hugging Face tokenizers, which keeps that window in Rust: the same text for half the
+    work (two decodes a token either way). Its state is not persisted: it is rebuilt from
+    the offsets.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._decode = _decoder(tokenizer)
+        self._backend = _backend(tokenizer)
+        if self._backend is None:
+            self._decode = lambda ids: tokenizer.decode(ids, True)
+        else:
+            backend = self._backend
+            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
 
     def update(self, seq: Sequence) -> str:
         """Decode the sequence's unread tokens; mutates its text and offsets. Returns the delta.
@@ -34,10 +45,30 @@ class Detokenizer:
         character, one at a time, so that the complete characters before it go out now.
         """
         end = len(seq.output_token_ids)
+        if end - seq.read_offset == 1 and self._backend is not None:
+            return self._step(seq)
+        seq.decoder = None  # its window is behind the offsets now
         delta = self._read_to(seq, end)
         if delta or end - seq.read_offset <= 1:
             return delta
         return "".join(self._read_to(seq, stop) for stop in range(seq.read_offset + 1, end + 1))
+
+    def _step(self, seq: Sequence) -> str:
+        ids = seq.output_token_ids
+        if seq.decoder is None:
+            window = ids[seq.prefix_offset : seq.read_offset]
+            seq.decoder = DecodeStream(ids=window, skip_special_tokens=True)
+        try:
+            delta = seq.decoder.step(self._backend, ids[-1])
+        except Exception:  # a window whose text does not begin with its prefix's
+            seq.decoder = None
+            return self._read_to(seq, len(ids))
+        if delta is None:
+            return ""
+        seq.output_text += delta
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(ids)
+        return delta
 
     def _read_to(self, seq: Sequence, end: int) -> str:
         ids = seq.output_token_ids
@@ -52,14 +83,14 @@ class Detokenizer:
         return delta
 
 
-def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """Decoding without special tokens. Twice per token of every running sequence, so a
-    Hugging Face fast tokenizer that cleans up no spaces is called in its Rust backend
-    directly, which gives the same text without the wrapper's per-call argument handling."""
+def _backend(tokenizer: Any) -> Any:
+    """A Hugging Face fast tokenizer's Rust backend where it decodes as the tokenizer does
+    (no spaces cleaned up): decoding runs for every token of every running sequence, and
+    the backend skips the wrapper's per-call argument handling."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, True)
+        return backend
+    return None
 
 
 def find_stop(text: str, new_len: int, stop: tuple[str, ...]) -> int | None:

@@ -32,7 +32,9 @@ class RestoredGroup:
 # Field names read once, for shallow dicts: dataclasses.asdict deep-copies every value, and
 # every step's commit converts each group and each sequence.
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(Sequence))
+_SEQ_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Sequence) if f.name not in Sequence.TRANSIENT
+)
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from pagedserve.model_files import load_tokenizer
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.engine.detokenizer import Detokenizer
+from scheduler_svc.state.persistence import _seq_from_dict, _seq_to_dict
 
 TEXT = "Café naïve — 東京の夜 🚀🌊 done.\n  Indented  spaces and ünïcödé at the end: 🎉"
 
@@ -51,3 +53,58 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode() -> N
     seq = Sequence(0, [1], [5, 6])
     Detokenizer(_CleaningTokenizer()).update(seq)
     assert seq.output_text == "cleanedcleaned"
+
+
+def test_the_streaming_decoder_is_rebuilt_from_the_offsets(smollm2_dir: Path) -> None:
+    """One token at a time goes through the sequence's DecodeStream, which is not persisted:
+    a restored sequence (no decoder), a fork, and a run of several tokens between single
+    ones each go on from the offsets alone, to the same text."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = tokenizer.encode(TEXT)
+    detokenizer, seq = Detokenizer(tokenizer), Sequence(0, [1])
+    forks, position, streamed = [], 0, 0
+    for chunk in [1, 1, 3, 1, 1, 2] * len(ids):
+        if position >= len(ids):
+            break
+        for token_id in ids[position : position + chunk]:
+            seq.append_token(token_id, 0.0)
+        position += chunk
+        detokenizer.update(seq)
+        if chunk > 1:
+            assert seq.decoder is None  # decoded by windows: the stream is behind the offsets
+        streamed += seq.decoder is not None
+        if position % 5 == 0:
+            seq = restore(seq)
+        if position % 7 == 0:
+            forks.append((seq.fork(len(forks) + 1), position))
+    assert seq.output_text == TEXT
+    assert streamed > len(ids) // 4
+    for fork, at in forks:
+        for token_id in ids[at:]:
+            fork.append_token(token_id, 0.0)
+            detokenizer.update(fork)
+        assert fork.output_text == TEXT
+
+
+def restore(seq: Sequence) -> Sequence:
+    """The sequence as the journal gives it back after a restart."""
+    return _seq_from_dict(orjson.loads(orjson.dumps(_seq_to_dict(seq))))
+
+
+class _RefusingStream:
+    """A DecodeStream that finds the window's text does not begin with its prefix's."""
+
+    def step(self, tokenizer: object, token_id: int) -> str:
+        raise Exception("InvalidPrefix")
+
+
+def test_a_stream_that_refuses_a_token_gives_way_to_decoding_the_window(smollm2_dir: Path):
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = tokenizer.encode("Hello there, world")
+    detokenizer, seq = Detokenizer(tokenizer), Sequence(0, [1])
+    for token_id in ids:
+        seq.append_token(token_id, 0.0)
+        seq.decoder = _RefusingStream()
+        detokenizer.update(seq)
+        assert seq.decoder is None
+    assert seq.output_text == "Hello there, world"
