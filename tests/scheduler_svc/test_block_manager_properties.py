@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import NO_BLOCK
 from scheduler_svc.core.block_manager import AllocStatus, BlockManager
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -124,6 +125,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 positions = range(first, seq.get_len())  # what the next step reads
                 seen = [pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in positions]
                 assert seen == seq.get_token_ids()[first:], f"seq {seq.seq_id} lost its tokens"
+
+    @invariant()
+    def slot_utilization_counts_each_block_once(self) -> None:
+        """Against a walk over every slot of every table on the GPU."""
+        filled: dict[int, int] = {}
+        for group in self.groups:
+            for seq in group.seqs:
+                if seq.status == SequenceStatus.SWAPPED or seq.seq_id not in self.bm.block_tables:
+                    continue
+                for index, block_id in enumerate(self.bm.get_block_table(seq)):
+                    if block_id != NO_BLOCK:
+                        used = min(BLOCK_SIZE, self.bm.num_slots(seq) - index * BLOCK_SIZE)
+                        filled[block_id] = max(filled.get(block_id, 0), used)
+        expected = sum(filled.values()) / (len(filled) * BLOCK_SIZE) if filled else 1.0
+        assert self.bm.slot_utilization() == expected
 
     def teardown(self) -> None:
         for group in self.groups:
