@@ -18,16 +18,24 @@ from scheduler_svc.state.streams import RequestDelta, SeqDelta
 
 @dataclass(slots=True)
 class Choice:
-    """One output accumulated from its deltas."""
+    """One output accumulated from its deltas. Its text is kept in parts and joined when
+    read: a long answer comes in thousands of deltas, and adding each to one string would
+    copy the string each time."""
 
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
 
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
     def add(self, out: SeqDelta | Choice) -> None:
-        self.text += out.text
+        self.parts.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs
@@ -133,7 +141,7 @@ class Renderer:
                     continue
                 completion_tokens += len(out.token_ids)
                 choice = Choice(
-                    out.text, out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
+                    [out.text], out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
                 )
                 echo = self.parsed.echo and delta.event == 1  # the prompt, as vLLM streams it
                 if held:

@@ -33,7 +33,7 @@ def renderer(chat: bool) -> Renderer:
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_the_http_door_renders_non_finite_logprobs_as_numbers(chat):
-    choice = Choice("bcd", [1, 2, 3], NON_FINITE, TOPS, "length")
+    choice = Choice(["bcd"], [1, 2, 3], NON_FINITE, TOPS, "length")
     body = json.loads(to_json(renderer(chat).final([choice])))  # no NaN: to_json refuses it
     logprobs = body["choices"][0]["logprobs"]
     if chat:
