@@ -37,6 +37,11 @@ from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.state.streams import RequestDelta
 
 T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer began."""
 
 
 class Api:
@@ -52,6 +57,8 @@ class Api:
         """Answer one completion or chat request; any exception leaves as an APIError."""
         try:
             return await self._answer(request, chat)
+        except ClientGone:  # its request is aborted; what is returned reaches no one
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as e:
             raise client_error(e, getattr(request.state, "request_id", None)) from None
 
@@ -191,8 +198,9 @@ async def _collect_unless_disconnected(
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """``work``'s result; CancelledError when the client goes away first. The disconnect is
-    awaited rather than polled, so a request that waits costs the event loop nothing."""
+    """``work``'s result; ClientGone when the client goes away first (``work`` cancelled).
+    The disconnect is awaited rather than polled, so a request that waits costs the event
+    loop nothing."""
 
     async def disconnect() -> None:  # the body is read: the next message is the disconnect
         while (await request.receive())["type"] != "http.disconnect":
@@ -202,8 +210,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            task.cancel()
-        return await task
+            raise ClientGone
+        return task.result()
     finally:  # both done before the caller closes the deltas the task was reading
         watcher.cancel()
         task.cancel()

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -367,6 +368,9 @@ def test_a_client_that_disconnects_is_aborted_and_frees_its_blocks(server, strea
     generated = metric(server, "pagedserve_generation_tokens_total", "") - generated
     assert 0 < generated < max_tokens
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') == 0
+    # A client going away is no server error: nothing logged its cancellation as one.
+    log = Path(tempfile.gettempdir()) / f"pagedserve-serve-{port}.log"
+    assert "Exception in ASGI application" not in log.read_text()
 
 
 def test_preemption_under_load_and_prefix_sharing(server, client):
