@@ -118,7 +118,8 @@ def _validate_positions(seq: SeqStep, name: str, info: ModelInfo) -> None:
 def _validate_table(seq: SeqStep, name: str, info: ModelInfo) -> None:
     """Every entry a kernel may read holds a block of the pool. Leading entries may be
     NO_BLOCK (freed) only where every layer slides, and only as far as they lie wholly
-    before the window of the step's first new token, which reaches back furthest."""
+    before the window of the step's first new token, which reaches back furthest. A
+    follower's entries before ``table_start`` were checked with the step it follows."""
     freed = num_freed(seq.block_table)
     first_seen = seq.num_computed_tokens - info.sliding_window + 1
     num_outside = max(0, first_seen) // info.block_size if info.sliding_window else 0
@@ -127,7 +128,8 @@ def _validate_table(seq: SeqStep, name: str, info: ModelInfo) -> None:
             f"{name}[{freed - 1}]: freed (-1), but position {seq.num_computed_tokens} attends "
             f"to it (sliding_window {info.sliding_window}, 0: every position)"
         )
-    _check_range(seq.block_table, name, "block id", info.num_gpu_blocks, start=freed)
+    start = max(freed, seq.table_start)
+    _check_range(seq.block_table, name, "block id", info.num_gpu_blocks, start=start)
 
 
 def _check_range(values: list[int], name: str, what: str, limit: int, start: int = 0) -> None:

@@ -447,6 +447,12 @@ def test_a_step_that_follows_equals_the_step_spelled_out(server: Server, table_s
         (None, {}, grpc.StatusCode.INVALID_ARGUMENT, "no follows_step_id"),
         (5, {"seq_id": 9}, grpc.StatusCode.INVALID_ARGUMENT, "drew no token for seq 9"),
         (5, {"table_start": 2}, grpc.StatusCode.INVALID_ARGUMENT, "2 entries kept of a table of 1"),
+        (  # the entries kept were checked with the step followed, the new ones are now
+            5,
+            {"table_start": 1, "block_table": [0, NUM_GPU_BLOCKS]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            rf"block_table\[1\]: block id {NUM_GPU_BLOCKS} outside",
+        ),
         (
             5,
             {"follows": False, "table_start": 1},
