@@ -72,11 +72,19 @@ class StepOutcome:
     finished: list[SequenceGroup] = field(default_factory=list)
     text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
     deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
+    # The step's deltas of requests whose last event waits for the same commit, folded into
+    # it (Journal.hold): counted as the step's tokens, published with that event.
+    folded: list[RequestDelta] = field(default_factory=list)
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
     # The commit that holds ``deltas``, still on its way to the store or still to be made
     # (Journal.next_landing): publish them once it has landed, so that no client sees an
     # event a restart would not find (None: landed).
     durable: Future[None] | None = None
+
+    @property
+    def pieces(self) -> list[RequestDelta]:
+        """Every delta of the step, its events and those folded: what it generated."""
+        return self.deltas + self.folded
 
 
 @dataclass(slots=True)
@@ -288,6 +296,7 @@ class LLMEngine:
         if self._ahead is not None and journal is not None:
             if not self._commit_due(outcome):
                 outcome.durable = journal.next_landing()
+                journal.hold(outcome.deltas)
                 return outcome
             # The state after this call, while the next one runs; the next is not pending
             # (a new leader finds the executor past this commit and recomputes). The round
@@ -428,9 +437,16 @@ class LLMEngine:
             outcome.deltas += refused
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
+        held = self.journal.held if self.journal is not None else {}
         for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
             delta = self.streams.delta(group, outcome.text_deltas, id(group) in ended)
-            if delta is not None:
+            if delta is None:
+                continue
+            into = held.get(delta.request_id)
+            if into is not None and not delta.finished:
+                self.streams.fold(into, delta)
+                outcome.folded.append(delta)
+            else:
                 outcome.deltas.append(delta)
         if self.journal is not None:  # written with the next step's commit, or flush()
             for group in outcome.groups:

@@ -54,7 +54,7 @@ class _Live:
 class RequestTracker:
     """Follows each request from the first step that sees it to its final stream event.
 
-    Token counts come from the stream events (``outcome.deltas``), so they equal what the
+    Token counts come from the stream deltas (``outcome.pieces``), so they equal what the
     clients received. Times are wall-clock seconds, the clock of ``arrival_time`` (stamped
     by whichever replica took the request); an arrival in the future counts as now.
     Safe to feed from the threads of several engines.
@@ -73,11 +73,13 @@ class RequestTracker:
         summary = StepSummary()
         with self._lock:
             for group in outcome.groups:
-                live = self._get(group.request_id, group, now)
+                live = self._live.get(group.request_id)
+                if live is None or live.group is not group:
+                    live = self._get(group.request_id, group, now)
                 if live.first_token is None and any(s.output_token_ids for s in group.seqs):
                     live.first_token = now
             ended = {g.request_id: g for g in outcome.finished}
-            for delta in outcome.deltas:
+            for delta in outcome.pieces:
                 num_tokens = sum(len(out.token_ids) for out in delta.outputs)
                 summary.generation_tokens += num_tokens
                 live = self._get(delta.request_id, ended.get(delta.request_id), now)

@@ -66,6 +66,7 @@ class Journal:
         self._consumed: list[str] = []
         self._taken: dict[str, str] = {}  # request id -> the store lane it moves from
         self._events: list[RequestDelta] = []  # deferred to the next commit
+        self.held: dict[str, RequestDelta] = {}  # see hold
         self._marks: dict[str, StoredMark] = {}  # what the store holds of each group
         self._crash_at = crash_point()
         self._num_steps = 0
@@ -112,6 +113,15 @@ class Journal:
     def defer(self, events: list[RequestDelta]) -> None:
         """Hold a step's stream events for the next commit."""
         self._events += events
+
+    def hold(self, events: list[RequestDelta]) -> None:
+        """``events`` are published when the next commit lands: until it is made, a later
+        step's tokens for the same request extend them (LLMEngine folds them in) rather
+        than making an event each, so that a commit holds one event a request however many
+        calls it covers, and clients get each token as soon as they would have anyway."""
+        for event in events:
+            if not event.finished:
+                self.held[event.request_id] = event
 
     def next_landing(self) -> Future[None]:
         """A future the next commit settles, as its own: for a step's events deferred to
@@ -173,17 +183,15 @@ class Journal:
             try:
                 self._send(commit)
             except BaseException as e:
-                for future in waiting:
-                    future.set_exception(e)
+                _settle(waiting, e)
                 raise
-            for future in waiting:
-                future.set_result(None)
+            _settle(waiting, None)
         else:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal")
             landing = self._landing = self._writer.submit(self._send, commit)
             if waiting:
-                landing.add_done_callback(lambda done: _settle(waiting, done))
+                landing.add_done_callback(lambda done: _settle(waiting, done.exception()))
         self._marks.update(marks)
         for rid in self._deleted:
             self._marks.pop(rid, None)
@@ -192,6 +200,7 @@ class Journal:
         self._consumed.clear()
         self._taken.clear()
         self._events.clear()
+        self.held.clear()
         return landing
 
     def settle(self) -> None:
@@ -230,9 +239,8 @@ class Journal:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _settle(futures: list[Future[None]], done: Future[None]) -> None:
-    """Give each of ``futures`` the outcome of the commit ``done``."""
-    error = done.exception()
+def _settle(futures: list[Future[None]], error: BaseException | None) -> None:
+    """Give each of ``futures`` the outcome of the commit they waited for."""
     for future in futures:
         if error is None:
             future.set_result(None)

@@ -158,6 +158,23 @@ class StreamTracker:
             self._events[group.request_id] = out.event
         return out
 
+    def fold(self, into: RequestDelta, piece: RequestDelta) -> None:
+        """Extend the unpublished event ``into`` by ``piece``, the same request's next delta
+        (unfinished), which then makes no event of its own."""
+        by_index = {out.index: out for out in into.outputs}
+        for out in piece.outputs:
+            held = by_index.get(out.index)
+            if held is None:  # a copy: the piece is not extended with the event
+                copy = [list(out.token_ids), list(out.logprobs), list(out.top_logprobs)]
+                into.outputs.append(SeqDelta(out.index, out.text, *copy, out.finish_reason))
+                continue
+            held.text += out.text
+            held.token_ids += out.token_ids
+            held.logprobs += out.logprobs
+            held.top_logprobs += out.top_logprobs
+            held.finish_reason = out.finish_reason or held.finish_reason
+        self._events[into.request_id] = into.event
+
     def _seq_delta(self, index: int, seq: Sequence, text: str) -> SeqDelta | None:
         sent, finish_sent = self._sent.get(seq.seq_id, (0, False))
         ends_now = seq.status.is_finished and not finish_sent

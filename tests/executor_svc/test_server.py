@@ -24,6 +24,7 @@ from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
 from scheduler_svc.state.journal import Journal
 from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit
+from scheduler_svc.state.streams import RequestDelta
 from tests.executor_svc.executor_proc import (
     NUM_GPU_BLOCKS,
     SWAP_GIB,
@@ -583,12 +584,13 @@ class _CountedStore(InMemoryStateStore):
 
 def test_calls_that_only_continue_streams_share_a_commit(server: Server) -> None:
     """With a commit interval longer than the run, calls sent ahead are committed only
-    where a request starts or ends: the others' events wait for a later commit and are
-    durable once it lands, and the tokens are those of a commit after every call."""
+    where a request starts or ends: the others' tokens wait for a later commit, durable
+    once it lands, in one event a request per commit (numbered 1, 2, ... as stored, the
+    same events published), and the tokens are those of a commit after every call."""
     info = server.client.init_cache()
     runs = {}
     for interval in (0.0, 60.0):
-        store, outcomes = _CountedStore(), []
+        store, outcomes = _CountedStore(), _TokensCounted()
         tokens, engine = _arrivals(
             server.client, info, server.next_epoch(), 1, Journal(store), interval, outcomes
         )
@@ -596,11 +598,50 @@ def test_calls_that_only_continue_streams_share_a_commit(server: Server) -> None
         assert all(o.durable is None or o.durable.result(timeout=0) is None for o in outcomes)
         assert not store.load().groups  # every request ended, and the store knows it
         events = [store.read_events(str(i)) for i in range(6)]
-        runs[interval] = tokens, events, store.num_commits, len(outcomes)
-    (every, events, num_every, num_calls), (shared, kept, num_shared, _) = runs[0.0], runs[60.0]
+        runs[interval] = tokens, events, store.num_commits, len(outcomes), outcomes
+    every, events, num_every, num_calls, _ = runs[0.0]
+    shared, kept, num_shared, _, steps = runs[60.0]
     assert [t for t, _ in shared] == [t for t, _ in every]
-    assert [len(e) for e in kept] == [len(e) for e in events]  # no event lost or merged
+    assert [_stream(e) for e in kept] == [_stream(e) for e in events]  # nothing lost
+    assert sum(map(len, kept)) < sum(map(len, events))  # calls sharing a commit, an event
     assert num_shared < num_every and num_every >= num_calls
+    # What clients get live: each request's events in order, once each, as stored.
+    published = {}
+    for outcome in steps:
+        for d in outcome.deltas:
+            published.setdefault(d.request_id, []).append((d.event, d.to_json()))
+    assert [published[str(i)] for i in range(6)] == kept
+    # The metrics' tokens: those of every step, folded ones too, counted as it returns.
+    assert [steps.counted[str(i)] for i in range(6)] == [len(t) for t, _ in shared]
+
+
+class _TokensCounted(list):
+    """Outcomes, their tokens counted by request as each is added (as observers do, before
+    the next step extends an event it holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted: dict[str, int] = {}
+
+    def append(self, outcome: StepOutcome) -> None:
+        for d in outcome.pieces:
+            tokens = sum(len(out.token_ids) for out in d.outputs)
+            self.counted[d.request_id] = self.counted.get(d.request_id, 0) + tokens
+        super().append(outcome)
+
+
+def _stream(events: list[tuple[int, str]]) -> tuple[list[int], str, list[float]]:
+    """The tokens, text and logprobs that ``events`` carry, checking they are numbered
+    1, 2, ... ."""
+    tokens, text, logprobs = [], "", []
+    for index, line in events:
+        delta = RequestDelta.from_json(line)
+        assert delta.event == index
+        for out in delta.outputs:
+            tokens += out.token_ids
+            text += out.text
+            logprobs += out.logprobs
+    return tokens, text, logprobs
 
 
 class _Recorded:
