@@ -13,8 +13,11 @@ stored result. When the engine goes idle it
 flushes the last results with the pending step cleared.
 
 A group that only grew since its last write (the common decode step) is written as a
-delta appended to its stored value; every `COMPACT_AFTER` deltas, or when it changed in
-any other way, it is written whole again.
+delta appended to its stored value. It is written whole again when it changed in any
+other way, or once it has at least `COMPACT_AFTER` deltas and they add up to the size of
+its last whole write (at most `MAX_DELTAS`): a long sequence's whole write costs as much
+as hundreds of deltas, and this way whole writes cost no more than the deltas do, while
+a stored value stays under twice the size of the group's whole state.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from scheduler_svc.state.state_store import (
 )
 from scheduler_svc.state.streams import RequestDelta
 
-COMPACT_AFTER = 32  # deltas before a group is written whole again: bounds load and append cost
+COMPACT_AFTER = 32  # deltas a group takes before it may be written whole again
+MAX_DELTAS = 1024  # deltas after which it is, whatever their size: bounds the parsing on load
 RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0  # backoff of a commit resent to an unreachable store
 
 log = structlog.get_logger(__name__)
@@ -155,13 +159,20 @@ class Journal:
             queue, tables = _queue_of(group), _tables_of(scheduler, group)
             mark = self._marks.get(rid)
             delta = None
-            if mark is not None and mark.num_deltas < COMPACT_AFTER:
+            if mark is not None and not _compaction_due(mark):
                 delta = group_delta(group, queue, tables, mark)
             if delta is None:
-                upserts[rid] = group_to_json(group, queue, tables)
+                upserts[rid] = whole = group_to_json(group, queue, tables)
+                marks[rid] = stored_mark(group, tables, whole_chars=len(whole))
             else:
                 appends[rid] = delta
-            marks[rid] = stored_mark(group, tables, 0 if delta is None else mark.num_deltas + 1)
+                marks[rid] = stored_mark(
+                    group,
+                    tables,
+                    mark.num_deltas + 1,
+                    mark.whole_chars,
+                    mark.delta_chars + len(delta),
+                )
         commit = StepCommit(
             epoch=self.epoch,
             commit_id=next(self._commit_ids),
@@ -246,6 +257,13 @@ def _settle(futures: list[Future[None]], error: BaseException | None) -> None:
             future.set_result(None)
         else:
             future.set_exception(error)
+
+
+def _compaction_due(mark: StoredMark) -> bool:
+    """Whether the group's next write is whole (see the module's docstring)."""
+    if mark.num_deltas >= MAX_DELTAS:
+        return True
+    return mark.num_deltas >= COMPACT_AFTER and mark.delta_chars >= mark.whole_chars
 
 
 def _queue_of(group: SequenceGroup) -> str:

@@ -126,10 +126,16 @@ class StoredMark:
     tables: list[list[int]]  # [] for a sequence without blocks
     num_prompt_logprobs: int = 0
     num_deltas: int = 0
+    whole_chars: int = 0  # the size of the last whole write
+    delta_chars: int = 0  # the deltas' size since
 
 
 def stored_mark(
-    group: SequenceGroup, tables: dict[int, tuple[list[int], int]], num_deltas: int = 0
+    group: SequenceGroup,
+    tables: dict[int, tuple[list[int], int]],
+    num_deltas: int = 0,
+    whole_chars: int = 0,
+    delta_chars: int = 0,
 ) -> StoredMark:
     """The mark of ``group`` as just written, ``tables`` being copies (kept, not re-copied)."""
     seqs = group.seqs
@@ -141,6 +147,8 @@ def stored_mark(
         [tables[seq.seq_id][0] if seq.seq_id in tables else [] for seq in seqs],
         len(group.prompt_logprobs),
         num_deltas,
+        whole_chars,
+        delta_chars,
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, PromptLogprob, StepResult
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor
-from scheduler_svc.state.journal import COMPACT_AFTER
+from scheduler_svc.state.journal import COMPACT_AFTER, MAX_DELTAS
 from scheduler_svc.state.persistence import group_from_json
 from scheduler_svc.state.state_store import InMemoryStateStore, StateStore, StepCommit
 from scheduler_svc.state.streams import RequestDelta
@@ -74,7 +74,7 @@ def test_stored_groups_equal_the_live_ones_after_every_step(
         for rid, text in stored.items():
             restored = group_from_json(text)
             assert (restored.group, restored.block_tables) == live[rid], f"{rid} at step {steps}"
-            assert text.count("\n") <= COMPACT_AFTER
+            assert_compacted(text)
     assert store.load().groups == {}
     assert store.appended["samples"] > 0
     assert store.whole["beams"] > 1  # beams fork and drop: written whole
@@ -84,6 +84,35 @@ def test_stored_groups_equal_the_live_ones_after_every_step(
     else:  # several tokens per step, each step's slots mapped ahead and stored
         assert steps < REQUESTS["greedy"].max_tokens
         assert store.appended["greedy"] > 0
+
+
+def assert_compacted(text: str) -> int:
+    """A stored group's deltas: written while fewer than COMPACT_AFTER, or smaller
+    together than its whole write; never more than MAX_DELTAS. Returns their number."""
+    whole, *deltas = text.split("\n")
+    assert len(deltas) <= MAX_DELTAS
+    assert len(deltas) <= COMPACT_AFTER or sum(map(len, deltas[:-1])) < len(whole)
+    return len(deltas)
+
+
+def test_a_long_group_is_written_whole_when_its_deltas_add_up_to_it(
+    journaled_engine: Callable[..., LLMEngine],
+) -> None:
+    """A long prompt makes a whole write worth many deltas: the group takes more than
+    COMPACT_AFTER of them before it is written whole again, and reads back equal."""
+    store = InMemoryStateStore()
+    engine = journaled_engine(store, 1)
+    engine.recover()
+    params = SamplingParams(temperature=0, max_tokens=4 * COMPACT_AFTER, ignore_eos=True)
+    engine.add_request("long", list(range(100, 800)), params)
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.flush()
+        for rid, text in store.load().groups.items():
+            assert group_from_json(text).group == _live_groups(engine)[rid][0]
+            most = max(most, assert_compacted(text))
+    assert COMPACT_AFTER < most < 4 * COMPACT_AFTER  # compacted once the deltas added up
 
 
 @pytest.mark.parametrize(("kill_after", "num_decode_steps"), [(3, 4), (COMPACT_AFTER + 3, 1)])
