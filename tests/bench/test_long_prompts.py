@@ -40,5 +40,7 @@ def test_long_prompts_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> N
     assert list(settings) == ["off", "32"]
     for s in settings.values():
         assert len(s["long_prompt_ttft_s"]) == 2 and min(s["long_prompt_ttft_s"]) > 0
-        assert s["stream_tokens"] > 0 and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["max"]
+        # A client starved of CPU reads several events at once: gaps of 0 are real then.
+        assert s["stream_tokens"] > 0 and 0 <= s["itl_ms"]["p50"] <= s["itl_ms"]["max"]
+        assert s["itl_ms"]["max"] > 0
     assert out.with_suffix(".png").stat().st_size > 10_000
