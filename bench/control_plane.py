@@ -12,7 +12,9 @@ Redis journaling and its HTTP front door. A load keeps N sequences running (long
   the passes of a call, and sleeps that overran);
 * decode steps/s: tokens generated per second / N; calls/s: Execute calls per second;
 * gap: wall time outside steps per call, what the executor waits for the scheduler;
-* the scheduler process's CPU time (user + system, /proc) per call and per decode step.
+* the scheduler process's CPU time (user + system, /proc) per call and per decode step;
+* sched bound: time inside steps / the scheduler's CPU time, the busy fraction that its
+  CPU per call allows even with a core to itself (its threads share one interpreter lock).
 
 Once with one step a call, once with decode steps in a row (--num-decode-steps, with no
 quiet period after arrivals), each with async scheduling (the next call sent while one
@@ -116,7 +118,9 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
     """What the window between two samples shows. ``forward_fraction`` is the share of the
     wall time an accelerator whose forward pass takes exactly ``step_ms`` would compute:
     ``busy_fraction`` also counts the executor's own Python between the passes of a call
-    and a sleep that overran on a loaded machine."""
+    and a sleep that overran on a loaded machine. ``scheduler_bound`` is the busy fraction
+    a scheduler with a whole core to itself could give at its CPU per call: its Python
+    runs under one lock (the GIL), so it issues at most one call per that much CPU."""
     wall, calls = b.at - a.at, b.calls - a.calls
     decode_steps = (b.tokens - a.tokens) / num_seqs
     cpu = b.scheduler_cpu_s - a.scheduler_cpu_s
@@ -135,6 +139,7 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
             round(cpu / decode_steps * 1e3, 3) if decode_steps else None
         ),
         "scheduler_cpu_cores": round(cpu / wall, 3),
+        "scheduler_bound": round(min(1.0, busy / cpu), 4) if cpu else None,
         "executor_cpu_ms_per_call": (
             round((b.executor_cpu_s - a.executor_cpu_s) / calls * 1e3, 3) if calls else None
         ),
@@ -278,7 +283,7 @@ def mode_name(num_decode_steps: int, scheduling: str) -> str:
 def print_results(runs: list[dict[str, Any]]) -> None:
     headers = ["step ms", "calls", "seqs", "busy", "forward", "decode steps/s", "calls/s"]
     headers += ["gap ms/call"]
-    headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores"]
+    headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores", "sched bound"]
     headers += ["executor CPU ms/call", "client cores"]
     rows = [
         [
@@ -293,6 +298,7 @@ def print_results(runs: list[dict[str, Any]]) -> None:
             r["scheduler_cpu_ms_per_call"],
             r["scheduler_cpu_ms_per_decode_step"],
             r["scheduler_cpu_cores"],
+            r["scheduler_bound"],
             r["executor_cpu_ms_per_call"],
             r["client_cpu_cores"],
         ]

@@ -3,6 +3,7 @@ behind the real scheduler with Redis journaling, with both modes of calling it."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -45,6 +46,9 @@ def test_figures_of_a_window() -> None:
         and f["gap_ms_per_call"] == pytest.approx(2.0)
     )
     assert f["scheduler_cpu_ms_per_call"] == 2.5 and f["scheduler_cpu_cores"] == 0.25
+    assert f["scheduler_bound"] == 1.0  # 1.6 s inside steps for 0.5 s of scheduler CPU
+    slow = figures(a, dataclasses.replace(b, scheduler_cpu_s=5.2), num_seqs=8, step_ms=5.0)
+    assert slow["scheduler_bound"] == 0.5
     assert f["client_cpu_cores"] == pytest.approx(0.05)
     assert f["executor_cpu_ms_per_call"] == pytest.approx(2.0)
 
