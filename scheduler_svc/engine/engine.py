@@ -78,7 +78,8 @@ class StepOutcome:
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
     # The commit that holds ``deltas``, still on its way to the store or still to be made
     # (Journal.next_landing): publish them once it has landed, so that no client sees an
-    # event a restart would not find (None: landed).
+    # event a restart would not find, nor one it would make again in other bounds (a call
+    # run past the journal is recomputed, its tokens one event a call). None: landed.
     durable: Future[None] | None = None
 
     @property
@@ -295,7 +296,6 @@ class LLMEngine:
         self._time_tokens(call.step, result)
         if self._ahead is not None and journal is not None:
             if not self._commit_due(outcome):
-                outcome.durable = journal.next_landing()
                 journal.hold(outcome.deltas)
                 return outcome
             # The state after this call, while the next one runs; the next is not pending
@@ -454,6 +454,8 @@ class LLMEngine:
             for group in outcome.finished:
                 self.journal.remove(group.request_id)
             self.journal.defer(outcome.deltas)
+            if outcome.deltas:  # published once it lands: see StepOutcome.durable
+                outcome.durable = self.journal.next_landing()
         return outcome
 
     def _end_refused(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:

@@ -192,12 +192,28 @@ def test_kill_9_at_a_step_boundary_loses_nothing(
         stop(proc)
 
 
-def test_a_stream_resumes_after_the_last_event_it_got(redis_url, executor, namespace, reference):
-    # Half-way through the stream: the first event goes out once its commit lands, while
-    # the steps go on, so a crash a few steps in can beat it to the client on a busy machine.
-    proc, url = scheduler(
-        redis_url, executor, namespace, crash_at=f"after_execute:{MAX_TOKENS // 2}"
-    )
+@pytest.mark.parametrize(
+    ("crash_at", "flags"),
+    [
+        # Half-way through the stream: the first event goes out once its commit lands, while
+        # the steps go on, so a crash a few steps in could beat it to the client.
+        (f"after_execute:{MAX_TOKENS // 2}", ()),
+        # One call at a time, four decode steps a call: the scheduler dies once the executor
+        # has run its fifth call, whose commit it never made, so the new leader recomputes
+        # the fourth and fifth: the client must not have had the fourth's event (four tokens;
+        # the recomputation makes it one), nor any event the store lacks.
+        (
+            "after_send:5",
+            ("--no-async-scheduling", "--num-decode-steps=4", "--decode-steps-quiet=0"),
+        ),
+    ],
+    ids=["async", "one-at-a-time-in-a-row"],
+)
+def test_a_stream_resumes_after_the_last_event_it_got(
+    redis_url, executor, namespace, reference, crash_at, flags
+):
+    proc, url = scheduler(redis_url, executor, namespace, crash_at=crash_at, flags=flags)
+    request_id = f"streamed-{uuid.uuid4().hex}"
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     got, last_id, seen = "", None, []
     try:
@@ -205,7 +221,7 @@ def test_a_stream_resumes_after_the_last_event_it_got(redis_url, executor, names
             "POST",
             f"{url}/v1/completions",
             json=body(model, PROMPTS[0], True),
-            headers={"X-Request-Id": "streamed", "X-Resumable-Stream": "true"},
+            headers={"X-Request-Id": request_id, "X-Resumable-Stream": "true"},
             timeout=60,
         ) as r:
             for line in r.iter_lines():
@@ -226,7 +242,7 @@ def test_a_stream_resumes_after_the_last_event_it_got(redis_url, executor, names
             "POST",
             f"{url}/v1/completions",
             json=body(model, PROMPTS[0], True),
-            headers={"X-Request-Id": "streamed", "Last-Event-ID": last_id},
+            headers={"X-Request-Id": request_id, "Last-Event-ID": last_id},
             timeout=60,
         ) as r:
             event_id = None
