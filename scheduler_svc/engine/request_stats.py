@@ -4,6 +4,7 @@ metrics and of the one log line per finished request (and per preemption)."""
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ log = structlog.get_logger(__name__)
 
 # A request with several outputs ends for the most telling of their reasons.
 _REASON_ORDER = ("abort", "length", "stop")
+# Finished requests remembered so that a new term finishing one again is not counted twice.
+REMEMBERED_FINISHED = 4096
 
 
 @dataclass(slots=True)
@@ -58,10 +61,16 @@ class RequestTracker:
     clients received. Times are wall-clock seconds, the clock of ``arrival_time`` (stamped
     by whichever replica took the request); an arrival in the future counts as now.
     Safe to feed from the threads of several engines.
+
+    A step whose commit never landed (the store went away, the leader stepped down) was
+    observed all the same, and the next term recomputes it from the journal: a request it
+    finished finishes again. The last REMEMBERED_FINISHED finished ids are kept, and what
+    comes for one of them is not counted again.
     """
 
     def __init__(self) -> None:
         self._live: dict[str, _Live] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -72,7 +81,10 @@ class RequestTracker:
         """Account one step; logs each preemption and each finished request."""
         summary = StepSummary()
         with self._lock:
+            done = self._finished
             for group in outcome.groups:
+                if group.request_id in done:
+                    continue
                 live = self._live.get(group.request_id)
                 if live is None or live.group is not group:
                     live = self._get(group.request_id, group, now)
@@ -80,6 +92,8 @@ class RequestTracker:
                     live.first_token = now
             ended = {g.request_id: g for g in outcome.finished}
             for delta in outcome.pieces:
+                if delta.request_id in done:
+                    continue
                 num_tokens = sum(len(out.token_ids) for out in delta.outputs)
                 summary.generation_tokens += num_tokens
                 live = self._get(delta.request_id, ended.get(delta.request_id), now)
@@ -87,6 +101,9 @@ class RequestTracker:
                 if delta.finished:
                     del self._live[delta.request_id]
                     summary.finished.append(_finish(delta, live, now))
+                    done[delta.request_id] = None
+                    if len(done) > REMEMBERED_FINISHED:
+                        done.popitem(last=False)
         for group, mode in outcome.preempted:
             log.info(
                 "request preempted",
