@@ -76,6 +76,11 @@ PACING_BACKLOG = 16
 # share one journal commit. Steps on this CPU take longer, so it changes nothing here; an
 # accelerator's few-millisecond steps are then not each followed by a commit's work.
 SERVING_COMMIT_INTERVAL_S = 0.025
+# A server's ahead_min_share: a call is sent ahead while requests keep arriving only if the
+# scheduler's own time per call is at least this share of its wait for the answer. On this
+# CPU it is a few hundredths and arrivals gain one call of TTFT (bench/RESULTS.md,
+# 2026-12-05, "ahead rule"); an accelerator's few-millisecond steps keep it far above.
+SERVING_AHEAD_MIN_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class SchedulerConfig:
     async_scheduling: bool = True
     max_token_slowdown: float = 0.0
     commit_interval_s: float = 0.0
+    ahead_min_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -104,6 +110,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.commit_interval_s >= 0:  # also refuses NaN
             raise ValueError(f"commit_interval_s must be >= 0, got {self.commit_interval_s}")
+        if not self.ahead_min_share >= 0:
+            raise ValueError(f"ahead_min_share must be >= 0, got {self.ahead_min_share}")
         if not (self.max_token_slowdown == 0 or self.max_token_slowdown >= 1):  # and NaN
             raise ValueError(
                 f"max_token_slowdown must be 0 (off) or >= 1, got {self.max_token_slowdown}"
@@ -184,6 +192,16 @@ class EngineOptions:
             flag="commit_interval",
         ),
     )
+    ahead_min_share: float = field(
+        default=SERVING_AHEAD_MIN_SHARE,
+        metadata=_help(
+            "with async scheduling, while requests keep arriving (one came within "
+            "--decode-steps-quiet), send the next call ahead only if the scheduler's own time "
+            "per call is at least this share of its wait for the answer: where steps are slow "
+            "the overlap gains little, and a request arriving would wait for the call sent "
+            "ahead too; 0: always send ahead"
+        ),
+    )
     preemption_mode: PreemptionMode | None = field(
         default=None,
         metadata=_help("swap or recompute; default: recompute single sequences, swap groups"),
@@ -219,6 +237,7 @@ class EngineOptions:
             async_scheduling=self.async_scheduling,
             max_token_slowdown=self.max_token_slowdown,
             commit_interval_s=self.commit_interval_s,
+            ahead_min_share=self.ahead_min_share,
         )
         return cache, scheduler
 

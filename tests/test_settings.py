@@ -42,6 +42,8 @@ INFO = ModelInfo("m", 100, 16384, 2, block_size=16, num_gpu_blocks=64, num_cpu_b
         ("max_token_slowdown", math.nan),
         ("commit_interval_s", -0.01),
         ("commit_interval_s", math.nan),
+        ("ahead_min_share", -0.1),
+        ("ahead_min_share", math.nan),
     ],
 )
 def test_scheduler_config_refuses_a_bad_setting(field: str, value: float) -> None:

@@ -308,11 +308,13 @@ class Scheduler:
     # -- helpers ---------------------------------------------------------------------
 
     def _decode_steps(self) -> int:
-        """``num_decode_steps``, or 1 while a group was queued less than
-        ``decode_steps_quiet_s`` ago (a newcomer would wait for all of them)."""
-        if self.clock() - self.last_added < self.config.decode_steps_quiet_s:
-            return 1
-        return self.config.num_decode_steps
+        """``num_decode_steps``, or 1 unless quiet (a newcomer would wait for all of them)."""
+        return self.config.num_decode_steps if self.is_quiet() else 1
+
+    def is_quiet(self) -> bool:
+        """Whether no group was queued for ``decode_steps_quiet_s``: one arriving now is
+        unlikely, so a call may keep the executor busy longer before the next decision."""
+        return self.clock() - self.last_added >= self.config.decode_steps_quiet_s
 
     def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         for seq in group.get_seqs(SequenceStatus.RUNNING):

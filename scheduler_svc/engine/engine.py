@@ -26,6 +26,7 @@ from scheduler_svc.state.state_store import StoredState
 from scheduler_svc.state.streams import RequestDelta, StreamTracker
 
 log = structlog.get_logger(__name__)
+CALL_TIMES_WEIGHT = 0.1  # of the newest call in the running means of its times (about ten calls)
 
 
 class IdCounter:
@@ -151,6 +152,10 @@ class LLMEngine:
             executor, PipelinedExecutor
         )
         self._ahead: _Call | None = None
+        # Running means of the engine's own time per call and of its wait for an answer
+        # (see _ahead_pays), and when the last answer came while work went on.
+        self._own_s = self._wait_s = 0.0
+        self._answered_at: float | None = None
         self._applied_at: float | None = None  # the last call applied, while groups ran
         self.epoch = 0
         self.stats = EngineStats()
@@ -274,13 +279,14 @@ class LLMEngine:
         if call is None:
             out = self.scheduler.schedule()
             if out.is_empty:
+                self._answered_at = None  # idle until work comes
                 return self._apply(out, None, None)
             call = self._send(out)
         try:
-            if self.async_scheduling:
+            if self.async_scheduling and self._ahead_pays():
                 self._ahead = self._send_ahead(call)
             self._steps_in_a_row = self._newest_in_a_row(call)
-            result = self._wait(call)
+            result = self._timed_wait(call)
         except ExecutorRestarted as e:
             self._ahead = self._applied_at = None
             return self._recompute_all(e.instance_id)
@@ -294,6 +300,8 @@ class LLMEngine:
             journal.crash_if_asked("after_execute")
         outcome = self._apply(call.out, call.step, result)
         self._time_tokens(call.step, result)
+        if not self.has_unfinished():
+            self._answered_at = None
         if self._ahead is not None and journal is not None:
             if not self._commit_due(outcome):
                 journal.hold(outcome.deltas)
@@ -305,6 +313,28 @@ class LLMEngine:
             outcome.durable = journal.commit(self.scheduler, meta, wait=False)
             journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
+
+    def _ahead_pays(self) -> bool:
+        """Whether to send the next call ahead: always while no request arrived for
+        ``decode_steps_quiet_s``, else while the engine's own time per call is at least
+        ``ahead_min_share`` of its wait for the answer (an accelerator's short steps). Where
+        steps are long (a CPU's) the overlap gains little, and a request that arrives waits
+        for the call sent ahead of it too (docs/architecture.md, "Async scheduling")."""
+        share = self.scheduler.config.ahead_min_share
+        if not share or self.scheduler.is_quiet():
+            return True
+        return self._own_s >= share * self._wait_s
+
+    def _timed_wait(self, call: _Call) -> StepResult:
+        """``_wait``, timing it and the engine's own time since the answer before."""
+        start = time.perf_counter()
+        result = self._wait(call)
+        end = time.perf_counter()
+        if self._answered_at is not None:
+            self._own_s += CALL_TIMES_WEIGHT * (start - self._answered_at - self._own_s)
+            self._wait_s += CALL_TIMES_WEIGHT * (end - start - self._wait_s)
+        self._answered_at = end
+        return result
 
     def _commit_due(self, outcome: StepOutcome) -> bool:
         """Whether the call just applied, sent ahead of the next, is committed now. One that

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -500,10 +501,11 @@ def _arrivals(
     journal: Journal | None = None,
     commit_interval_s: float = 0.0,
     outcomes: list[StepOutcome] | None = None,
+    **scheduling: float,
 ) -> tuple[list, LLMEngine]:
     """Greedy and seeded requests, each arriving after a step of those before it, to the
     end; their tokens and cumulative logprobs, and the engine. Each step's outcome goes
-    to ``outcomes``."""
+    to ``outcomes``; ``scheduling``: more SchedulerConfig fields."""
     cache = CacheConfig(
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
@@ -513,6 +515,7 @@ def _arrivals(
         max_model_len=info.max_model_len,
         num_decode_steps=num_decode_steps,
         commit_interval_s=commit_interval_s,
+        **scheduling,
     )
     engine = LLMEngine(executor, cache, sched, info.eos_token_id, journal=journal)
     if journal is None:
@@ -664,6 +667,47 @@ class _Recorded:
 
     def end_steps(self, step_id: int) -> None:
         self.client.end_steps(step_id)
+
+
+class _Slow(_Recorded):
+    """The gRPC client, each answer taking ``seconds`` more: an executor whose steps far
+    outlast the engine's own work per call, as a CPU's do."""
+
+    def __init__(self, client: ExecutorClient, seconds: float) -> None:
+        super().__init__(client)
+        self.seconds = seconds
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        wait = super().start(step)
+
+        def slowly() -> StepResult:
+            time.sleep(self.seconds)
+            return wait()
+
+        return slowly
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_long_calls_are_sent_ahead_only_in_a_quiet_spell(server: Server, quiet: bool) -> None:
+    """With steps that take 100 times the engine's own work per call, a call is not sent
+    ahead while requests keep arriving (it is, at most, before the engine has timed a
+    call): a newcomer would wait for it too, and the overlap gains little. Once no request
+    has come for decode_steps_quiet_s, calls are sent ahead again. The tokens are the
+    same either way."""
+    info = server.client.init_cache()
+    want, _ = _arrivals(server.client, info, server.next_epoch(), 1)
+    slow = _Slow(server.client, 0.1)
+    quiet_s = 0.0 if quiet else 60.0
+    got, engine = _arrivals(
+        slow, info, server.next_epoch(), 1, ahead_min_share=0.1, decode_steps_quiet_s=quiet_s
+    )
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    num_calls = len(slow.steps)
+    assert num_calls > 20
+    if quiet:
+        assert engine.stats.num_steps_ahead > num_calls // 2
+    else:
+        assert engine.stats.num_steps_ahead <= 2
 
 
 class _FirstCallAheadArrivesFirst:
