@@ -77,9 +77,10 @@ PACING_BACKLOG = 16
 # accelerator's few-millisecond steps are then not each followed by a commit's work.
 SERVING_COMMIT_INTERVAL_S = 0.025
 # A server's ahead_min_share: a call is sent ahead while requests keep arriving only if the
-# scheduler's own time per call is at least this share of its wait for the answer. On this
-# CPU it is a few hundredths and arrivals gain one call of TTFT (bench/RESULTS.md,
-# 2026-12-05, "ahead rule"); an accelerator's few-millisecond steps keep it far above.
+# scheduler's own time per call is at least this share of its wait for the answer. With a
+# CPU's steps of tens of milliseconds newcomers then wait one call less (TTFT 7 % lower at
+# 1 req/s, bench/RESULTS.md, 2026-12-05, night); the control-plane bench's 5 ms steps still
+# send every call ahead (its busy fraction unchanged).
 SERVING_AHEAD_MIN_SHARE = 0.1
 
 
