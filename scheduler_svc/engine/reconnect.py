@@ -33,7 +33,9 @@ class ReconnectingExecutor:
         self.instance_id = instance_id
         self.poll_s = poll_s
         self.down_since: float | None = None  # monotonic time of the first failure
-        self.calling = False  # an Execute is on the wire and has not failed yet
+        # Execute calls on the wire that have neither answered nor failed: two while a
+        # step is sent ahead of the answer to the one before it.
+        self._on_wire: set[Callable[[], StepResult]] = set()
         self.abandoned = False
 
     def abandon(self) -> None:
@@ -51,32 +53,33 @@ class ReconnectingExecutor:
         def result() -> StepResult:
             nonlocal call
             while True:
-                self.calling = True  # on the wire until it fails
                 try:
                     answer = call()
+                except ExecutorUnavailable as e:
+                    error = e
+                else:
                     self.down_since = None
                     return answer
-                except ExecutorUnavailable as e:
-                    if self.down_since is None:
-                        self.down_since = time.monotonic()
-                        log.warning(
-                            "executor unavailable, waiting",
-                            executor=self.client.address,
-                            error=str(e),
-                        )
-                    self.calling = False
-                    self._reconnect()
-                    call = self._send(step)
                 finally:
-                    self.calling = False
+                    self._on_wire.discard(call)
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
+                    log.warning(
+                        "executor unavailable, waiting",
+                        executor=self.client.address,
+                        error=str(error),
+                    )
+                self._reconnect()
+                call = self._send(step)
 
         return result
 
     def _send(self, step: ExecuteStep) -> Callable[[], StepResult]:
         if self.abandoned:
             raise ExecutorGone(self.client.address)
-        self.calling = True
-        return self.client.start(step)
+        call = self.client.start(step)
+        self._on_wire.add(call)
+        return call
 
     def fence(self, epoch: int) -> int | None:
         """``ExecutorClient.fence``, waiting for an executor that is away (a new process
@@ -111,7 +114,7 @@ class ReconnectingExecutor:
         """Whether the executor is alive, on evidence: a step on the wire that has not
         failed, or a GetStats that answers now (whatever its instance id: a restarted
         process at this address is this lane's to recompute on)."""
-        if self.calling and self.down_since is None:
+        if self._on_wire and self.down_since is None:
             return True
         try:
             self.client.get_stats(timeout=PROBE_TIMEOUT_S)
