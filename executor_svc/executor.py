@@ -219,8 +219,9 @@ class StepEnds:
         self._lock = threading.Lock()
 
     def ask(self, step_id: int, epoch: int | None = None) -> None:
+        """Two asks may arrive out of order (each its own RPC): the newer step wins."""
         with self._lock:
-            self._before = (self.epoch if epoch is None else epoch, step_id)
+            self._before = max(self._before, (self.epoch if epoch is None else epoch, step_id))
 
     def covers(self, step: ExecuteStep) -> bool:
         return (step.epoch, step.step_id) <= self._before

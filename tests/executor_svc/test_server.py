@@ -387,7 +387,8 @@ def test_copy_and_swap_blocks_count(server: Server) -> None:
 def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None:
     """EndSteps names the newest step to end: sent before it runs (as an arrival can be),
     that step stops after its first decode step, and so does every earlier one still to
-    run (a call sent ahead); a later step runs whole."""
+    run (a call sent ahead); a later step runs whole, and an older name asked late does
+    not undo a newer one."""
     client = server.client
     epoch = server.next_epoch()
     greedy = SamplingParams(temperature=0.0)
@@ -397,6 +398,7 @@ def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None
         len(client.execute(_step(1, epoch, num_samples=1, num_steps=8)).outputs[0].token_ids) == 8
     )
     client.end_steps(2).result()
+    client.end_steps(1).result()  # an older arrival's ask, delivered late, ends no less
     cut = client.execute(_step(2, epoch, num_samples=1, num_steps=8, sampling_params=greedy))
     assert cut.outputs[0].token_ids == whole.outputs[0].token_ids[:1]
 
