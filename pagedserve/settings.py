@@ -507,7 +507,7 @@ class SchedulerOptions:
         default=60.0,
         metadata=_help(
             "seconds a new request may expect to wait for its first step, at the rate "
-            "requests are finishing; beyond, 429 with Retry-After (0: no bound)",
+            "requests leave the queue; beyond, 429 with Retry-After (0: no bound)",
             flag="max_queue_wait",
         ),
     )

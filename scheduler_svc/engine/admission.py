@@ -1,9 +1,14 @@
 """Admission at the leader's front door: a request is refused (429, retry later) rather
 than queued when the queue already holds too many requests or prompt tokens, or when at
-the rate requests have been finishing it would wait longer than a client can be expected
+the rate the queue has been draining it would wait longer than a client can be expected
 to. A count alone bounds memory, not latency: under ten times the sustainable rate a
 queue of a hundred requests means minutes of waiting, and clients give up on requests
-the server goes on to run."""
+the server goes on to run.
+
+The queue drains as requests get their first event, so that is the rate measured, not
+the rate requests finish: finishes lag a rise in load by a whole answer's time (a minute
+of decoding), and a server that had just taken on a burst judged it by the few finishes
+of the quiet spell before it and refused requests it was about to admit."""
 
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ from dataclasses import dataclass
 
 from scheduler_svc.state.streams import QueueFullError
 
-RATE_WINDOW_S = 30.0  # the finishes the drain rate is measured over
-MIN_FINISHED = 8  # fewer finishes in the window say nothing yet about the rate
+RATE_WINDOW_S = 30.0  # the first events the drain rate is measured over
+MIN_STARTED = 8  # fewer first events in the window say nothing yet about the rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,26 +38,28 @@ DEFAULT_LIMITS = AdmissionLimits()
 
 class Admission:
     """Judges each new request against the limits and the queue as it stands; told of
-    every request that finishes, it knows how fast the queue drains."""
+    every request's first event, it knows how fast the queue drains."""
 
     def __init__(
         self, limits: AdmissionLimits, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.limits = limits
         self.clock = clock
-        self._finished: deque[float] = deque()
+        self._started: deque[float] = deque()
 
-    def finished(self) -> None:
-        self._finished.append(self.clock())
+    def started(self) -> None:
+        """A request had its first event: it left the queue."""
+        self._started.append(self.clock())
 
     def drain_rate(self) -> float | None:
-        """Requests finished per second over the last RATE_WINDOW_S (None: too few)."""
+        """Requests that left the queue per second over the last RATE_WINDOW_S (None: too
+        few)."""
         now = self.clock()
-        while self._finished and self._finished[0] < now - RATE_WINDOW_S:
-            self._finished.popleft()
-        if len(self._finished) < MIN_FINISHED:
+        while self._started and self._started[0] < now - RATE_WINDOW_S:
+            self._started.popleft()
+        if len(self._started) < MIN_STARTED:
             return None
-        return (len(self._finished) - 1) / max(now - self._finished[0], 1e-9)
+        return (len(self._started) - 1) / max(now - self._started[0], 1e-9)
 
     def check(self, waiting_requests: int, waiting_tokens: int, prompt_len: int) -> None:
         """Raise QueueFullError when a request of ``prompt_len`` tokens joining this queue
@@ -69,7 +76,7 @@ class Admission:
         if rate is not None and (expected := (waiting_requests + 1) / rate) > limits.wait_s:
             raise QueueFullError(
                 f"{waiting_requests} requests wait for a first step; at the {rate:.1f} per "
-                f"second finishing now this one would wait about {expected:.0f} s, more "
+                f"second leaving the queue now this one would wait about {expected:.0f} s, more "
                 f"than the {limits.wait_s:g} s allowed; retry later",
                 "queue_wait",
             )

@@ -449,9 +449,10 @@ class AsyncEngine:
             inbox = self._streams.get(delta.request_id)
             if inbox is not None:
                 inbox.put(delta)
+            if delta.event == 1:
+                self.admission.started()
             if delta.finished:
                 self.lane_set.finished(delta.request_id)
-                self.admission.finished()
 
     async def _watch(self) -> None:
         """Other replicas' submissions and aborts, and the registry's executors coming and

@@ -1,6 +1,6 @@
 """Admission rules of a modern engine, on real processes (`pagedserve serve`, the tiny chat
 model): a bounded waiting queue (429 with Retry-After beyond --max-waiting-requests, or
-when at the rate requests finish a new one would wait past --max-queue-wait; counted, and
+when at the rate the queue drains a new one would wait past --max-queue-wait; counted, and
 every admitted request still gets its whole answer), priorities (lower first), and
 deadlines (a request past its timeout ends with deadline_exceeded and frees its blocks)."""
 
@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from scheduler_svc.engine.admission import MIN_FINISHED, RATE_WINDOW_S, Admission, AdmissionLimits
+from scheduler_svc.engine.admission import MIN_STARTED, RATE_WINDOW_S, Admission, AdmissionLimits
 from scheduler_svc.state.streams import QueueFullError
 from tests.cluster import metric, used_blocks
 from tests.openai_spec import assert_conforms
@@ -53,35 +53,35 @@ class Clock:
         return self.now
 
 
-def test_the_wait_bound_follows_the_rate_requests_finish():
+def test_the_wait_bound_follows_the_rate_requests_leave_the_queue():
     clock = Clock()
     admission = Admission(AdmissionLimits(requests=100, tokens=10_000, wait_s=10), clock)
     admission.check(50, 500, 10)  # no rate known yet: only the counts bound the queue
-    for _ in range(2 * MIN_FINISHED):  # two finishes a second
+    for _ in range(2 * MIN_STARTED):  # two first events a second
         clock.now += 0.5
-        admission.finished()
+        admission.started()
     assert admission.drain_rate() == pytest.approx(2, rel=0.1)
     admission.check(18, 500, 10)  # the 19th in the queue waits about 9.5 s
     with pytest.raises(QueueFullError, match="would wait about") as refused:
         admission.check(20, 500, 10)  # the 21st about 10.5 s
     assert refused.value.reason == "queue_wait"
     admission.check(0, 0, 10)  # an empty queue admits whatever the rate
-    clock.now += RATE_WINDOW_S + 1  # the finishes age out of the window: no rate again
+    clock.now += RATE_WINDOW_S + 1  # the first events age out of the window: no rate again
     assert admission.drain_rate() is None
     admission.check(99, 500, 10)
     with pytest.raises(QueueFullError) as full:
         admission.check(100, 500, 10)
     assert full.value.reason == "queue_full"
     unbounded = Admission(AdmissionLimits(wait_s=0), clock)
-    for _ in range(MIN_FINISHED):
+    for _ in range(MIN_STARTED):
         clock.now += 10
-        unbounded.finished()
+        unbounded.started()
     unbounded.check(1000 - 1, 0, 10)
 
 
 def test_past_the_wait_bound_a_burst_gets_429_and_the_admitted_finish(impatient_server):
     url, model = impatient_server
-    for i in range(MIN_FINISHED):  # a drain rate to judge by
+    for i in range(MIN_STARTED):  # a drain rate to judge by
         assert complete(url, model, i, max_tokens=4).status_code == 200
     with ThreadPoolExecutor(BURST) as pool:
         answers = list(pool.map(lambda i: complete(url, model, i), range(BURST)))
