@@ -8,7 +8,10 @@ the server goes on to run.
 The queue drains as requests get their first event, so that is the rate measured, not
 the rate requests finish: finishes lag a rise in load by a whole answer's time (a minute
 of decoding), and a server that had just taken on a burst judged it by the few finishes
-of the quiet spell before it and refused requests it was about to admit."""
+of the quiet spell before it and refused requests it was about to admit. The rate is that
+of the last few first events, not of all in a long window: under ten times the
+sustainable rate the first seconds admit dozens at once, then pacing lets in one a step,
+and a window's mean kept promising the first seconds' pace for half a minute."""
 
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from dataclasses import dataclass
 
 from scheduler_svc.state.streams import QueueFullError
 
-RATE_WINDOW_S = 30.0  # the first events the drain rate is measured over
-MIN_STARTED = 8  # fewer first events in the window say nothing yet about the rate
+RATE_STARTS = 8  # the last first events the drain rate is measured over
+RATE_WINDOW_S = 30.0  # older than this, they say nothing about the rate now
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +48,17 @@ class Admission:
     ) -> None:
         self.limits = limits
         self.clock = clock
-        self._started: deque[float] = deque()
+        self._started: deque[float] = deque(maxlen=RATE_STARTS)
 
     def started(self) -> None:
         """A request had its first event: it left the queue."""
         self._started.append(self.clock())
 
     def drain_rate(self) -> float | None:
-        """Requests that left the queue per second over the last RATE_WINDOW_S (None: too
-        few)."""
+        """Requests that left the queue per second, over the last RATE_STARTS first events
+        and the time since (None: fewer, or older than RATE_WINDOW_S)."""
         now = self.clock()
-        while self._started and self._started[0] < now - RATE_WINDOW_S:
-            self._started.popleft()
-        if len(self._started) < MIN_STARTED:
+        if len(self._started) < RATE_STARTS or self._started[0] < now - RATE_WINDOW_S:
             return None
         return (len(self._started) - 1) / max(now - self._started[0], 1e-9)
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from scheduler_svc.engine.admission import MIN_STARTED, RATE_WINDOW_S, Admission, AdmissionLimits
+from scheduler_svc.engine.admission import RATE_STARTS, RATE_WINDOW_S, Admission, AdmissionLimits
 from scheduler_svc.state.streams import QueueFullError
 from tests.cluster import metric, used_blocks
 from tests.openai_spec import assert_conforms
@@ -57,7 +57,7 @@ def test_the_wait_bound_follows_the_rate_requests_leave_the_queue():
     clock = Clock()
     admission = Admission(AdmissionLimits(requests=100, tokens=10_000, wait_s=10), clock)
     admission.check(50, 500, 10)  # no rate known yet: only the counts bound the queue
-    for _ in range(2 * MIN_STARTED):  # two first events a second
+    for _ in range(2 * RATE_STARTS):  # two first events a second
         clock.now += 0.5
         admission.started()
     assert admission.drain_rate() == pytest.approx(2, rel=0.1)
@@ -66,6 +66,13 @@ def test_the_wait_bound_follows_the_rate_requests_leave_the_queue():
         admission.check(20, 500, 10)  # the 21st about 10.5 s
     assert refused.value.reason == "queue_wait"
     admission.check(0, 0, 10)  # an empty queue admits whatever the rate
+    for _ in range(RATE_STARTS):  # then one first event every 2 s: the last few rule
+        clock.now += 2
+        admission.started()
+    assert admission.drain_rate() == pytest.approx(0.5, rel=0.1)
+    admission.check(3, 500, 10)  # the 4th waits about 8 s
+    with pytest.raises(QueueFullError, match="would wait about"):
+        admission.check(5, 500, 10)  # the 6th about 12 s
     clock.now += RATE_WINDOW_S + 1  # the first events age out of the window: no rate again
     assert admission.drain_rate() is None
     admission.check(99, 500, 10)
@@ -73,7 +80,7 @@ def test_the_wait_bound_follows_the_rate_requests_leave_the_queue():
         admission.check(100, 500, 10)
     assert full.value.reason == "queue_full"
     unbounded = Admission(AdmissionLimits(wait_s=0), clock)
-    for _ in range(MIN_STARTED):
+    for _ in range(RATE_STARTS):
         clock.now += 10
         unbounded.started()
     unbounded.check(1000 - 1, 0, 10)
@@ -81,7 +88,7 @@ def test_the_wait_bound_follows_the_rate_requests_leave_the_queue():
 
 def test_past_the_wait_bound_a_burst_gets_429_and_the_admitted_finish(impatient_server):
     url, model = impatient_server
-    for i in range(MIN_STARTED):  # a drain rate to judge by
+    for i in range(RATE_STARTS):  # a drain rate to judge by
         assert complete(url, model, i, max_tokens=4).status_code == 200
     with ThreadPoolExecutor(BURST) as pool:
         answers = list(pool.map(lambda i: complete(url, model, i), range(BURST)))
