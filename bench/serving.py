@@ -245,7 +245,12 @@ def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str
         if args.client_dataset == "sharegpt":
             # Room for a prompt that tokenizes a little longer as text than as ids.
             hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        failed = None  # the first rate the client could not finish: higher ones are not run
         for i, rate in enumerate(sorted(args.rates)):
+            if failed is not None:
+                rates[f"{rate:g}"] = {"skipped": f"not run: {failed} req/s failed"}
+                bar.update(1)
+                continue
             seed = args.seed + i  # fresh prompts: none cached by the rate before
             if args.client_dataset == "sharegpt":
                 max_len = args.max_model_len - 32
@@ -256,7 +261,11 @@ def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str
                 dataset = random_dataset(args.input_len, args.output_len)
             flags = client_args(url, model, tokenizer, rate, args.num_requests, dataset, seed)
             timeout = args.duration + args.drain + args.num_requests / rate
-            rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout)
+            try:
+                rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout)
+            except RuntimeError as e:  # keep the rates measured before it
+                rates[f"{rate:g}"] = {"skipped": f"failed: {e}", "failed": True}
+                failed = f"{rate:g}"
             bar.update(1)
     return {"model": Path(model).name, "client": "vllm", "rates": rates}
 
@@ -357,6 +366,9 @@ def print_client_results(systems: dict[str, Any]) -> None:
             rows.append([name, *["-"] * 8, f"skipped: {s['skipped']}"])
             continue
         for rate, r in s["rates"].items():
+            if "skipped" in r:
+                rows.append([f"{name} @{rate}", *["-"] * 8, r["skipped"]])
+                continue
             ttft, tpot = r["ttft_ms"], r["tpot_ms"]
             counts = [r["completed"], r["failed"], r["output_tokens_per_s"]]
             latency = [ttft["mean"], ttft["p99"], tpot["mean"], tpot["p99"], r["itl_ms"]["p99"]]
@@ -372,7 +384,7 @@ def plot_client(systems: dict[str, Any], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, label in zip(axes, ("tpot_ms", "ttft_ms"), ("TPOT", "TTFT"), strict=True):
         for name, s in systems.items():
-            rates = s.get("rates", {})
+            rates = {k: r for k, r in s.get("rates", {}).items() if "skipped" not in r}
             xs = [float(rate) for rate in rates]
             for stat, style in (("mean", "o-"), ("p99", "s--")):
                 ys = [r[metric][stat] for r in rates.values()]
@@ -507,7 +519,9 @@ def main_vllm_client(args: argparse.Namespace) -> int:
         title = f"vLLM's client, {requests.split(' (')[0]}"
         plot_client(systems, args.json.with_suffix(".png"), title)
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
-    return 1 if any(s.get("failed") for s in systems.values()) else 0
+    failed = [s for s in systems.values() if s.get("failed")]
+    failed += [r for s in systems.values() for r in s.get("rates", {}).values() if r.get("failed")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

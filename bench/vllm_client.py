@@ -97,15 +97,21 @@ def sharegpt_dataset(trace: Trace, tokenizer: Any, path: Path) -> list[str]:
 
 
 def run_client(python: str, args: list[str], timeout: float) -> dict[str, Any]:
-    """One run of the client; its saved result JSON, summarized."""
+    """One run of the client; its saved result JSON, summarized. Raises RuntimeError when
+    it fails or is still running after ``timeout`` seconds."""
     with tempfile.TemporaryDirectory(prefix="vllm-client-") as out:
         cmd = [python, "-c", CLIENT_SCRIPT, *args, "--save-result", "--result-dir", out]
-        done = subprocess.run(
-            [*cmd, "--result-filename", "result.json"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        try:
+            done = subprocess.run(
+                [*cmd, "--result-filename", "result.json"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"vLLM's client was still running after {timeout:.0f} s (raise --drain)"
+            ) from None
         path = Path(out) / "result.json"
         if done.returncode != 0 or not path.exists():
             tail = (done.stdout + done.stderr)[-1500:]

@@ -87,6 +87,27 @@ def test_vllm_client_result_summary() -> None:
     assert flags[flags.index("--num-warmups") + 1] == str(vllm_client.WARMUPS)
 
 
+def test_a_client_run_that_fails_or_overruns_says_why(tmp_path: Path, capsys) -> None:
+    """Its rate is reported as skipped with the reason; the rates measured before it stay."""
+    with pytest.raises(RuntimeError, match="vLLM's client failed"):
+        vllm_client.run_client(sys.executable, ["--no-such-flag"], timeout=60)
+    sleeper = tmp_path / "python"
+    sleeper.write_text("#!/bin/sh\nsleep 30\n")
+    sleeper.chmod(0o755)
+    with pytest.raises(RuntimeError, match="still running after 1 s"):
+        vllm_client.run_client(str(sleeper), [], timeout=1)
+    measured = {"completed": 80, "failed": 0, "elapsed_s": 61.2, "output_tokens_per_s": 167.3}
+    measured |= {"ttft_ms": {"mean": 810.8, "p99": 2136.2}, "itl_ms": {"p99": 910.8}}
+    measured |= {"tpot_ms": {"mean": 307.6, "p99": 338.7}}
+    rates = {"1": measured, "2": {"skipped": "failed: still running", "failed": True}}
+    systems = {"pagedserve": {"rates": rates | {"3": {"skipped": "not run: 2 req/s failed"}}}}
+    serving.print_client_results(systems)
+    table = capsys.readouterr().out
+    assert "167.3" in table and "failed: still running" in table and "not run: 2 req/s" in table
+    serving.plot_client(systems, tmp_path / "plot.png", "client")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
 def test_vllm_client_sharegpt_file_keeps_the_trace_lengths(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
