@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,26 +68,48 @@ def process(
 ) -> Iterator[subprocess.Popen]:
     """Run ``cmd`` in its own process group; yield it once ``ready()``, stop it after."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{name}-", suffix=".log")  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=(env or {}) | dict(os.environ),  # the caller's settings win
-    )
-    deadline = time.monotonic() + timeout
+    with _sigterm_unwinds():
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=(env or {}) | dict(os.environ),  # the caller's settings win
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ready():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = log.read()[-2000:]
+                    raise RuntimeError(f"{name} not ready (exit {proc.poll()}):\n{tail}")
+                time.sleep(0.3)
+            yield proc
+        finally:
+            _stop(proc)
+            log.close()
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (a `timeout`, a CI runner) unwinds like Ctrl-C, so that the processes started
+    here are stopped: Python's default handler exits without running ``finally``."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        while not ready():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                tail = log.read()[-2000:]
-                raise RuntimeError(f"{name} not ready (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.3)
-        yield proc
+        yield
     finally:
-        _stop(proc)
-        log.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
