@@ -119,7 +119,7 @@ class OfflineLLM:
     def _result(self, group: SequenceGroup) -> RequestOutput:
         completions = [
             Completion(
-                text=seq.output_text,  # detokenized as it grew: cut at a stop string
+                text=str(seq.output_text),  # detokenized as it grew: cut at a stop string
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
                 finish_reason=seq.status.finish_reason,

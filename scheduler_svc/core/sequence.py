@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import PromptLogprob
+from scheduler_svc.core.output_text import OutputText
 
 
 class SequenceStatus(enum.IntEnum):
@@ -51,7 +52,7 @@ class Sequence:
     num_computed_tokens: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)  # a str is taken too
     prefix_offset: int = 0  # detokenizer window, see scheduler_svc/engine/detokenizer.py
     read_offset: int = 0
     # That window in the tokenizer's own streaming decoder; rebuilt from the offsets, so
@@ -59,6 +60,10 @@ class Sequence:
     decoder: Any = field(default=None, compare=False, repr=False)
 
     TRANSIENT: ClassVar[frozenset[str]] = frozenset({"decoder"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.output_text, str):  # read back from JSON
+            self.output_text = OutputText(self.output_text)
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -96,7 +101,7 @@ class Sequence:
             self.num_computed_tokens,
             list(self.output_logprobs),
             list(self.output_top_logprobs),
-            self.output_text,
+            OutputText(str(self.output_text)),
             self.prefix_offset,
             self.read_offset,
         )

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 from tokenizers.decoders import DecodeStream
 
+from scheduler_svc.core.output_text import OutputText
 from scheduler_svc.core.sequence import Sequence
 
 
@@ -65,7 +66,7 @@ class Detokenizer:
             return self._read_to(seq, len(ids))
         if delta is None:
             return ""
-        seq.output_text += delta
+        seq.output_text.append(delta)
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(ids)
         return delta
@@ -77,7 +78,7 @@ class Detokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix) :]
-        seq.output_text += delta
+        seq.output_text.append(delta)
         seq.prefix_offset = seq.read_offset
         seq.read_offset = end
         return delta
@@ -93,13 +94,15 @@ def _backend(tokenizer: Any) -> Any:
     return None
 
 
-def find_stop(text: str, new_len: int, stop: tuple[str, ...]) -> int | None:
+def find_stop(text: OutputText, new_len: int, stop: tuple[str, ...]) -> int | None:
     """Where ``text`` must be cut for the first stop string that its last ``new_len``
-    characters complete, or None. Earlier text was checked before."""
+    characters complete, or None. Earlier text was checked before, so only the end that
+    a stop string could reach into is read."""
+    start = max(0, len(text) - new_len - max(map(len, stop)) + 1)
+    end = text.since(start)
     cut = None
     for s in stop:
-        start = max(0, len(text) - new_len - len(s) + 1)
-        index = text.find(s, start)
+        index = end.find(s, max(0, len(end) - new_len - len(s) + 1))
         if index != -1 and (cut is None or index < cut):
             cut = index
-    return cut
+    return None if cut is None else start + cut

@@ -629,10 +629,11 @@ class LLMEngine:
                 if seq.read_offset == len(seq.output_token_ids):
                     continue
                 delta = self.detokenizer.update(seq)
-                cut = find_stop(seq.output_text, len(delta), stop) if stop and delta else None
+                text = seq.output_text
+                cut = find_stop(text, len(delta), stop) if stop and delta else None
                 if cut is not None:
-                    delta = delta[: max(0, len(delta) - (len(seq.output_text) - cut))]
-                    seq.output_text = seq.output_text[:cut]
+                    delta = delta[: max(0, len(delta) - (len(text) - cut))]
+                    text.cut(cut)
                     if not seq.status.is_finished:
                         self.processor.finish(seq, SequenceStatus.FINISHED_STOPPED)
                         stopped = True

@@ -16,6 +16,7 @@ import orjson
 from pagedserve.grammar import Grammar
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import NO_BLOCK, BlockPairs, ExecuteStep, PromptLogprob, num_freed
+from scheduler_svc.core.output_text import OutputText
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 SCHEMA_VERSION = 1
@@ -56,6 +57,7 @@ def params_from_dict(data: dict[str, Any]) -> SamplingParams:
 def _seq_to_dict(seq: Sequence) -> dict[str, Any]:
     data = {name: getattr(seq, name) for name in _SEQ_FIELDS}
     data["status"] = int(seq.status)
+    data["output_text"] = str(seq.output_text)
     data["output_top_logprobs"] = [list(top.items()) for top in seq.output_top_logprobs]
     return data
 
@@ -122,7 +124,7 @@ class StoredMark:
     seq_ids: tuple[int, ...]
     num_outputs: list[int]
     num_tops: list[int]
-    texts: list[str]
+    texts: list[tuple[OutputText, int, int]]  # each text object, its length and cuts then
     tables: list[list[int]]  # [] for a sequence without blocks
     num_prompt_logprobs: int = 0
     num_deltas: int = 0
@@ -143,7 +145,7 @@ def stored_mark(
         tuple(seq.seq_id for seq in seqs),
         [len(seq.output_token_ids) for seq in seqs],
         [len(seq.output_top_logprobs) for seq in seqs],
-        [seq.output_text for seq in seqs],
+        [(seq.output_text, len(seq.output_text), seq.output_text.cuts) for seq in seqs],
         [tables[seq.seq_id][0] if seq.seq_id in tables else [] for seq in seqs],
         len(group.prompt_logprobs),
         num_deltas,
@@ -165,12 +167,14 @@ def group_delta(
     for i, seq in enumerate(group.seqs):
         table, num_slots = tables.get(seq.seq_id, ([], 0))
         old_table, start = mark.tables[i], mark.num_outputs[i]
+        text, text_len, cuts = mark.texts[i]
         freed = num_freed(table)
         if (
             len(seq.output_token_ids) < start
             or freed > len(old_table)
             or table[freed : len(old_table)] != old_table[freed:]
-            or not seq.output_text.startswith(mark.texts[i])
+            or seq.output_text is not text
+            or text.cuts != cuts
         ):
             return None
         entry = [
@@ -183,7 +187,7 @@ def group_delta(
             seq.output_token_ids[start:],
             seq.output_logprobs[start:],
             [list(top.items()) for top in seq.output_top_logprobs[mark.num_tops[i] :]],
-            seq.output_text[len(mark.texts[i]) :],
+            text.since(text_len),
             table[len(old_table) :],
             num_slots,
         ]

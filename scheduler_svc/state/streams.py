@@ -194,7 +194,7 @@ class StreamTracker:
 def _whole(index: int, seq: Sequence) -> SeqDelta:
     return SeqDelta(
         index,
-        seq.output_text,
+        str(seq.output_text),
         list(seq.output_token_ids),
         list(seq.output_logprobs),
         list(seq.output_top_logprobs),

@@ -89,7 +89,7 @@ def generate(
     outputs = [
         [
             (
-                s.output_text,
+                str(s.output_text),
                 s.output_token_ids,
                 s.cumulative_logprob,
                 s.output_top_logprobs,

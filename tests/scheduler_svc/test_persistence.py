@@ -8,6 +8,7 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import NO_BLOCK, ExecuteStep, SeqStep
+from scheduler_svc.core.output_text import OutputText
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.state.persistence import (
     PendingStep,
@@ -75,7 +76,7 @@ def _running_group() -> tuple[SequenceGroup, dict[int, tuple[list[int], int]]]:
         Sequence(1, [10, 11, 12], [13], SequenceStatus.RUNNING, -0.5, 3, [-0.5], [{13: -0.5}]),
         Sequence(2, [10, 11, 12], [], SequenceStatus.WAITING),
     ]
-    seqs[0].output_text, seqs[0].prefix_offset, seqs[0].read_offset = "Hi", 0, 1
+    seqs[0].output_text, seqs[0].prefix_offset, seqs[0].read_offset = OutputText("Hi"), 0, 1
     return SequenceGroup("req-2", seqs, 7.0, PARAMS), {1: ([3], 4)}
 
 
@@ -111,7 +112,7 @@ def _fork(group: SequenceGroup) -> None:
 
 
 def _cut_at_stop(group: SequenceGroup) -> None:
-    group.seqs[0].output_text = "H"
+    group.seqs[0].output_text.cut(1)
 
 
 def _reorder(group: SequenceGroup) -> None:
