@@ -492,14 +492,18 @@ class BlockManager:
         if not self.enable_prefix_caching or start >= num_full:
             return
         hashes = self._hashes[seq.seq_id]
-        token_ids = seq.get_token_ids()[: num_full * self.block_size]
+        # The tokens of the blocks from the first to hash or register on (a copy of the
+        # whole sequence, once a block fills, would cost its length).
+        first = min(start, len(hashes))
+        tokens = seq.get_token_ids_between(first * self.block_size, num_full * self.block_size)
         if len(hashes) < num_full:
             parent = hashes[-1] if hashes else None
-            hashes.extend(self._chain_hashes(token_ids, len(hashes), parent))
+            hashes.extend(self._chain_hashes(tokens, len(hashes) - first, parent))
         table = self.block_tables[seq.seq_id]
         for index in range(start, num_full):
             if table[index] != NO_BLOCK:
-                self.gpu.register(table[index], hashes[index], self._block_tokens(token_ids, index))
+                block = self._block_tokens(tokens, index - first)
+                self.gpu.register(table[index], hashes[index], block)
 
 
 def _held(table: list[BlockId]) -> list[BlockId]:
