@@ -45,6 +45,18 @@ def test_equal_parameters_go_once_into_a_step() -> None:
     assert step_from_pb(message) == step
 
 
+def test_every_list_of_a_sequence_arrives_and_a_follower_sends_its_new_entries() -> None:
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    prefill = SeqStep(1, [5, 6, 7], 0, [3, 4], params, prompt_token_ids=[5, 6, 7])
+    decode = SeqStep(2, [9], 40, [8], params, prompt_token_ids=[1], output_token_ids=[2, 9])
+    follower = SeqStep(3, [], 0, [10, 11, 12], params, num_steps=2, follows=True, table_start=2)
+    quiet = SeqStep(4, [], 0, [13], params, follows=True, table_start=1)  # nothing new
+    back = step_from_pb(step_to_pb(ExecuteStep(3, 1, [prefill, decode, follower, quiet], [])))
+    assert back.seqs[:2] == [prefill, decode]
+    assert back.seqs[2].block_table == [12] and back.seqs[2].table_start == 2
+    assert back.seqs[3].block_table == [] and back.seqs[3].follows
+
+
 def test_a_sequence_naming_no_parameters_is_refused() -> None:
     message = step_to_pb(_step(1, [SamplingParams()]))
     message.seqs[0].sampling_params_index = 1

@@ -113,20 +113,27 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
         if index is None:
             index = indices[entry[2]] = len(indices)
             request.sampling_params.append(entry[1])
-        add(
+        seq = add(
             seq_id=s.seq_id,
-            new_token_ids=s.new_token_ids,
             num_computed_tokens=s.num_computed_tokens,
-            block_table=s.block_table[s.table_start :] if s.table_start else s.block_table,
             sampling_params_index=index,
             num_samples=s.num_samples,
             sample_index=s.sample_index,
-            prompt_token_ids=s.prompt_token_ids,
-            output_token_ids=s.output_token_ids,
             num_steps=s.num_steps,
             follows=s.follows,
             table_start=s.table_start,
         )
+        # Lists only where not empty: an empty list passed costs about what a scalar
+        # does, and a sequence sent ahead usually has none but a few table entries.
+        table = s.block_table[s.table_start :] if s.table_start else s.block_table
+        if table:
+            seq.block_table.extend(table)
+        if s.new_token_ids:
+            seq.new_token_ids.extend(s.new_token_ids)
+        if s.prompt_token_ids:
+            seq.prompt_token_ids.extend(s.prompt_token_ids)
+        if s.output_token_ids:
+            seq.output_token_ids.extend(s.output_token_ids)
     if known is not None:
         known.clear()
         known.update(params)
