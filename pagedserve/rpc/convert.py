@@ -154,17 +154,25 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
                 f"seqs[{index}].sampling_params_index: {s.sampling_params_index} "
                 f"of {len(params)} sampling_params"
             )
+        # Each read of a pb field costs a call, and a list made of an empty one costs
+        # about what one made of a few entries: each list is read once, copied if any.
+        new, table, prompt, output = (
+            s.new_token_ids,
+            s.block_table,
+            s.prompt_token_ids,
+            s.output_token_ids,
+        )
         seqs.append(
             SeqStep(
                 seq_id=s.seq_id,
-                new_token_ids=list(s.new_token_ids),
+                new_token_ids=list(new) if new else [],
                 num_computed_tokens=s.num_computed_tokens,
-                block_table=list(s.block_table),
+                block_table=list(table) if table else [],
                 sampling_params=params[s.sampling_params_index],
                 num_samples=s.num_samples,
                 sample_index=s.sample_index,
-                prompt_token_ids=list(s.prompt_token_ids),
-                output_token_ids=list(s.output_token_ids),
+                prompt_token_ids=list(prompt) if prompt else [],
+                output_token_ids=list(output) if output else [],
                 num_steps=max(s.num_steps, 1),
                 follows=s.follows,
                 table_start=s.table_start,
