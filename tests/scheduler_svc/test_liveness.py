@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.cluster import (
+    MAX_TOKENS,
     body,
     metric,
     num_steps,
@@ -33,6 +34,10 @@ from tests.services import stop
 
 pytestmark = pytest.mark.redis
 PROMPTS = [f"Log {i}: the lighthouse keeper wrote that the ships" for i in range(4)]
+# Tokens of the requests an executor is paused under: enough that its share is still
+# running when the pause begins, however loaded the machine (at 48 a request could end
+# first, leaving no step on the wire to prove the executor alive).
+PAUSED_MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +45,19 @@ def reference(tiny_chat_model_dir: Path) -> dict[str, str]:
     return reference_texts(tiny_chat_model_dir, PROMPTS)
 
 
+@pytest.fixture(scope="module")
+def long_reference(tiny_chat_model_dir: Path) -> dict[str, str]:
+    return reference_texts(tiny_chat_model_dir, PROMPTS, PAUSED_MAX_TOKENS)
+
+
 @pytest.fixture
 def namespace() -> str:
     return f"test-liveness-{uuid.uuid4().hex}"
 
 
-def stream_all(url: str, prompts: list[str]) -> list[str]:
+def stream_all(url: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: stream_text(url, p), prompts))
+        return list(pool.map(lambda p: stream_text(url, p, max_tokens), prompts))
 
 
 def wait_generating(address: str, steps: int = 3) -> None:
@@ -56,7 +66,7 @@ def wait_generating(address: str, steps: int = 3) -> None:
 
 
 def test_an_executor_paused_past_its_heartbeat_keeps_its_requests(
-    tiny_chat_model_dir, namespace, redis_url, reference
+    tiny_chat_model_dir, namespace, redis_url, long_reference
 ):
     """SIGSTOP for three heartbeat TTLs while its steps are in flight: the step on the
     wire proves it alive, so nothing moves, and every request finishes once."""
@@ -66,13 +76,16 @@ def test_an_executor_paused_past_its_heartbeat_keeps_its_requests(
         wait_executors(url, 2)
         finished_before = metric(url, "requests_total")
         with ThreadPoolExecutor(1) as pool:
-            texts = pool.submit(stream_all, url, PROMPTS)
+            texts = pool.submit(stream_all, url, PROMPTS, PAUSED_MAX_TOKENS)
             victim, address = executors[0]
             wait_generating(address)
+            paused_at = num_steps(address)
             os.killpg(victim.pid, signal.SIGSTOP)
             time.sleep(7)  # the registry's TTL is 3 s
             os.killpg(victim.pid, signal.SIGCONT)
-            assert texts.result() == [reference[p] for p in PROMPTS]
+            assert texts.result() == [long_reference[p] for p in PROMPTS]
+        # It was paused with work of its own, which it went on with.
+        assert num_steps(address) > paused_at + 1
         assert metric(url, "requests_total") - finished_before == len(PROMPTS)
         assert sorted(wait_executors(url, 2)) == sorted(a for _, a in executors)
         wait_until(lambda: used_blocks(url) == 0, 10, "blocks freed")
