@@ -150,10 +150,12 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
 
 class Load:
     """Keeps a number of requests running: each slot sends a request and, when it ends,
-    the next one."""
+    the next one, over a connection of its own. (Through one shared client, httpx's pool
+    matched each request against every connection: with 256 slots whose requests end
+    together, the load itself took most of a core.)"""
 
-    def __init__(self, http: httpx.AsyncClient, model: str, args: argparse.Namespace) -> None:
-        self.http, self.args = http, args
+    def __init__(self, url: str, model: str, args: argparse.Namespace) -> None:
+        self.url, self.args = url, args
         self.body = {"model": model, "max_tokens": args.max_tokens, "ignore_eos": True}
         self.body["temperature"] = 0.0
         self.rng = random.Random(args.seed)
@@ -164,11 +166,12 @@ class Load:
             self.slots.append(asyncio.create_task(self._slot()))
 
     async def _slot(self) -> None:
-        while True:
-            prompt = [self.rng.randrange(1000, VOCAB_SIZE) for _ in range(self.args.prompt_len)]
-            response = await self.http.post("/v1/completions", json=self.body | {"prompt": prompt})
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        async with httpx.AsyncClient(base_url=self.url, timeout=None) as http:
+            while True:
+                prompt = [self.rng.randrange(1000, VOCAB_SIZE) for _ in range(self.args.prompt_len)]
+                response = await http.post("/v1/completions", json=self.body | {"prompt": prompt})
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
 
     def check(self) -> None:
         """Raise the failure of a slot, if one failed."""
@@ -187,9 +190,8 @@ async def measure_levels(
 ) -> list[dict]:
     """Grow the load through ``args.seqs``; at each level wait until all run, let it settle,
     then sample a window."""
-    limits = httpx.Limits(max_connections=max(args.seqs) + 8)
-    async with httpx.AsyncClient(base_url=procs.url, timeout=None, limits=limits) as http:
-        load = Load(http, (await http.get("/v1/models")).json()["data"][0]["id"], args)
+    async with httpx.AsyncClient(base_url=procs.url, timeout=None) as http:
+        load = Load(procs.url, (await http.get("/v1/models")).json()["data"][0]["id"], args)
         results = []
         try:
             for num_seqs in args.seqs:
