@@ -244,14 +244,14 @@ def scheduler(
     async_scheduling: bool,
 ) -> Iterator[tuple[str, int]]:
     """`pagedserve scheduler` journaling to ``store``, decode steps in a row from the first
-    step, every sequence admitted (no pacing: the batch sizes are the experiment's);
-    yields its URL and process id."""
+    step, every sequence admitted (no pacing, no queue-wait bound: the batch sizes are the
+    experiment's, and each level arrives as one burst); yields its URL and process id."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedserve.cli", "scheduler", f"--executor={executor}"]
     cmd += [f"--state-store={store}", f"--namespace=control-plane-{port}", f"--port={port}"]
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
-    cmd += ["--decode-steps-quiet=0", "--max-token-slowdown=0"]
+    cmd += ["--decode-steps-quiet=0", "--max-token-slowdown=0", "--max-queue-wait=0"]
     cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     cmd.append(f"--commit-interval={args.commit_interval}")
     with process(cmd, "scheduler", lambda: healthy(url)) as proc:
