@@ -49,6 +49,7 @@ class Admission:
         self.limits = limits
         self.clock = clock
         self._started: deque[float] = deque(maxlen=RATE_STARTS)
+        self._queued_since: float | None = None  # an arrival last found the queue empty
 
     def started(self) -> None:
         """A request had its first event: it left the queue."""
@@ -56,16 +57,23 @@ class Admission:
 
     def drain_rate(self) -> float | None:
         """Requests that left the queue per second, over the last RATE_STARTS first events
-        and the time since (None: fewer, or older than RATE_WINDOW_S)."""
+        and the time since (None: fewer, or older than RATE_WINDOW_S). Time the queue
+        stood empty after the last of them does not count: nothing started then because
+        nothing waited, and a burst after a steady spell would be judged by it."""
         now = self.clock()
-        if len(self._started) < RATE_STARTS or self._started[0] < now - RATE_WINDOW_S:
+        started = self._started
+        if len(started) < RATE_STARTS or started[0] < now - RATE_WINDOW_S:
             return None
-        return (len(self._started) - 1) / max(now - self._started[0], 1e-9)
+        queued = self._queued_since
+        idle = 0.0 if queued is None else max(0.0, queued - started[-1])
+        return (len(started) - 1) / max(now - started[0] - idle, 1e-9)
 
     def check(self, waiting_requests: int, waiting_tokens: int, prompt_len: int) -> None:
         """Raise QueueFullError when a request of ``prompt_len`` tokens joining this queue
         would exceed a limit."""
         limits = self.limits
+        if not waiting_requests:
+            self._queued_since = self.clock()
         if waiting_requests + 1 > limits.requests or waiting_tokens + prompt_len > limits.tokens:
             raise QueueFullError(
                 f"{waiting_requests} requests ({waiting_tokens} prompt tokens) already wait "

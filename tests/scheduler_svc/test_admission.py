@@ -86,6 +86,24 @@ def test_the_wait_bound_follows_the_rate_requests_leave_the_queue():
     unbounded.check(1000 - 1, 0, 10)
 
 
+def test_a_burst_after_a_steady_spell_is_judged_by_the_pace_while_requests_wait():
+    """Requests that started together, then seconds with nobody waiting: the queue was
+    not slow, it was empty. A burst then is admitted, and judged again once it waits."""
+    clock = Clock()
+    admission = Admission(AdmissionLimits(requests=1000, tokens=100_000, wait_s=60), clock)
+    for _ in range(RATE_STARTS):  # a level of requests starting in one step
+        clock.now += 0.01
+        admission.started()
+    clock.now += 8  # they run; nobody waits
+    for waiting in range(56):  # a burst arrives at once
+        admission.check(waiting, 64 * waiting, 64)
+    assert admission.drain_rate() > 40
+    clock.now += 10  # none of it started: the queue is as slow as it looks now
+    assert admission.drain_rate() < 1
+    with pytest.raises(QueueFullError, match="would wait about"):
+        admission.check(56, 64 * 56, 64)
+
+
 def test_past_the_wait_bound_a_burst_gets_429_and_the_admitted_finish(impatient_server):
     url, model = impatient_server
     for i in range(RATE_STARTS):  # a drain rate to judge by
