@@ -75,11 +75,11 @@ def test_control_plane_end_to_end(tmp_path: Path, tiny_chat_model_dir: Path) -> 
         (k, scheduling, n) for k in (1, 4) for scheduling in ("async", "sync") for n in (2, 6)
     ]
     for r in runs:
-        # The executor counts a call's time inside steps when the call ends: a 1 s window
-        # may hold up to one more call's than it saw run (5 ms a step, num_decode_steps).
-        slack_s = 2 * r["num_decode_steps"] * 0.005
+        # The executor counts a call's time inside steps when the call ends: a window may
+        # be off by one call's steps at either end.
+        slack_s = 2 * r["num_decode_steps"] * r["step_ms"] / 1000
         assert r["calls"] > 0 and r["decode_steps"] > 0
-        assert 0 < r["busy_fraction"] <= 1 + slack_s
+        assert 0 < r["busy_fraction"] <= 1 + slack_s / r["window_s"]
         assert 0 < r["forward_fraction"] <= r["busy_fraction"] + 0.05
         assert r["scheduler_cpu_ms_per_call"] > 0
         assert r["gap_ms_per_call"] >= -1000 * slack_s / r["calls"]
