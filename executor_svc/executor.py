@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from executor_svc import host_memory
+from executor_svc import host_memory, vml
 from executor_svc.cache_engine import CacheEngine, CacheShape
 from executor_svc.grammar import GrammarMasks
 from executor_svc.model_runner import ModelRunner
@@ -40,6 +40,7 @@ class Executor:
         world_size = config.tensor_parallel_size
         self.device = pick_device(config.device, shard.rank if shard else 0, world_size)
         torch.manual_seed(config.seed)  # unseeded requests draw from the global generator
+        vml.settle_vml_kernels()  # before the rope tables, the first parallel cos and sin
         self.dtype = _pick_dtype(config.dtype, self.device)  # the weights'
         self.kv_cache_dtype = _DTYPES.get(config.kv_cache_dtype) or activation_dtype(
             self.dtype, self.device

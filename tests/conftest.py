@@ -19,6 +19,7 @@ import pytest
 import redis
 import torch
 
+from executor_svc.vml import settle_vml_kernels
 from scheduler_svc.state.redis_store import RedisStateStore
 from scheduler_svc.state.state_store import InMemoryStateStore, StateStore
 from tests.redis_server import RedisServer
@@ -30,6 +31,10 @@ from tests.redis_server import RedisServer
 ON_GPU = os.environ.get("PAGEDSERVE_TEST_DEVICE") == "cuda"
 if not ON_GPU:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# transformers' references compute cos, sin and exp with torch in this process: their MKL
+# kernels are settled first, as in the executor (executor_svc/vml.py).
+settle_vml_kernels()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -44,11 +44,7 @@ def served_case(request, tmp_path_factory, smollm2_dir: Path):
 
 
 def assert_served_as_hf(
-    model_dir: Path,
-    logprobs: dict,
-    hf_tokens: list[int],
-    hf_tops: list[dict],
-    tolerance: float = 2e-4,
+    model_dir: Path, logprobs: dict, hf_tokens: list[int], hf_tops: list[dict]
 ) -> None:
     """The served tokens are transformers' greedy ones (at a near-tie of the random model,
     each in the other's top 5, then stop), each logprob equal to fp32 rounding: recomputing
@@ -63,9 +59,9 @@ def assert_served_as_hf(
             assert ours in {tokenizer.decode([t]) for t in their_top}, f"step {step}"
             assert tokenizer.decode([theirs]) in our_top, f"step {step}"
             return
-        assert logprobs["token_logprobs"][step] == pytest.approx(
-            their_top[theirs], abs=tolerance
-        ), f"step {step}: logprob of {ours!r}"
+        assert logprobs["token_logprobs"][step] == pytest.approx(their_top[theirs], abs=2e-4), (
+            f"step {step}: logprob of {ours!r}"
+        )
 
 
 def test_served_greedy_matches_hf(served_case) -> None:
@@ -110,13 +106,8 @@ def test_served_sliding_window_frees_blocks_and_matches_hf_under_preemption(
     assert _counter(metrics, "pagedserve_kv_blocks_freed_outside_window_total") > 0
     if scheduling == "--no-async-scheduling":
         assert _counter(metrics, 'pagedserve_preemptions_total{mode="recompute"}') > 0
-    # With async scheduling the CI has twice seen a logprob 4.7e-4 and 1.2e-3 off (tokens
-    # equal) in hundreds of steps, never without it, and 16 runs here stayed within 1e-4.
-    # Whether that is rounding or a position at the window's edge is not known (bench/
-    # RESULTS.md, 2026-12-06, morning): the tokens stay exact, the logprobs within 2e-3.
-    tolerance = 2e-3 if scheduling == "--async-scheduling" else 2e-4
     for logprobs, (hf_tokens, hf_tops) in zip(answers, reference, strict=True):
-        assert_served_as_hf(model_dir, logprobs, hf_tokens, hf_tops, tolerance)
+        assert_served_as_hf(model_dir, logprobs, hf_tokens, hf_tops)
 
 
 def _counter(metrics: str, name: str) -> float:
