@@ -56,9 +56,10 @@ MAX_DETAILS_CHARS = 2000
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
-    """Serializes every pool operation through one lock and runs it on the thread that
-    loaded the model, so health checks answer while a step runs. A refused call changes
-    nothing: not the pools, the ledger or the newest epoch seen.
+    """Runs every pool operation on the thread that loaded the model, one at a time in
+    the order the calls arrived (that thread's queue), so health checks answer while a
+    step runs. A refused call changes nothing: not the pools, the ledger or the newest
+    epoch seen.
 
     One thread for all torch work: OpenMP gives each thread that starts parallel regions a
     team of its own, and once the teams hold more threads than there are cores, libgomp's
@@ -77,22 +78,23 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self._last_applied: tuple[ExecuteStep, StepResult] | None = None  # see _fill_followers
         self.stats = ExecutorStats(instance_id=secrets.token_hex(8))
         self.metrics = ExecutorMetrics()
-        self.lock = asyncio.Lock()
 
-    async def _locked(
+    async def _queued(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object
     ) -> T:
-        """Run ``fn(*args)`` on the executor's thread under the lock; map refusals to statuses."""
-        async with self.lock:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
-            except InvalidArgument as e:
-                code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-            except PreconditionFailed as e:
-                code, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
-            except Exception as e:
-                log.exception("executor.rpc_failed", rpc=getattr(fn, "__name__", "?"))
-                code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        """Run ``fn(*args)`` on the executor's thread once the calls queued before it ran;
+        map refusals to statuses. The thread goes from one call to the next without waiting
+        for this loop: a call sent ahead starts as soon as the one before it ends. One
+        cancelled before it starts never runs."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+        except InvalidArgument as e:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        except PreconditionFailed as e:
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        except Exception as e:
+            log.exception("executor.rpc_failed", rpc=getattr(fn, "__name__", "?"))
+            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
         await context.abort(code, _details(message))
         raise AssertionError("unreachable: abort raises")
 
@@ -105,7 +107,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self, request: pb.InitCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitCacheResponse:
         """Allocate the pools once; a repeat answers the same facts and keeps the pools."""
-        info = await self._locked(context, self._init_cache)
+        info = await self._queued(context, self._init_cache)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return model_info_to_pb(info)
@@ -126,17 +128,15 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     ) -> pb.ExecuteResponse:
         """One step, idempotent by step id (see StepLedger for the replay and epoch rules).
 
-        Read before the lock, so that a step sent while another runs (async scheduling)
-        is parsed meanwhile; once its step is done, a call lets the next one start before
-        it converts its answer."""
+        Read before it is queued, so that a step sent while another runs (async
+        scheduling) is parsed meanwhile."""
         try:
             step = step_from_pb(request)
         except ValueError as e:  # SamplingParams refused a field
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(str(e)))
             raise AssertionError("unreachable: abort raises") from None
         fingerprint = _fingerprint(request)
-        result = await self._locked(context, self._execute, step, fingerprint)
-        await asyncio.sleep(0)  # the next call's turn: it takes the lock first
+        result = await self._queued(context, self._execute, step, fingerprint)
         return result_to_pb(result)
 
     def _execute(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
@@ -224,9 +224,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     async def Fence(
         self, request: pb.FenceRequest, context: grpc.aio.ServicerContext
     ) -> pb.FenceResponse:
-        """Under the lock: a step of the old leader that is running ends before the fence
-        answers (and shows in ``last_step_id``); one that arrives later is refused."""
-        last_step_id = await self._locked(context, self._fence, request.epoch)
+        """Queued like a step: a step of the old leader that arrived before it ends before
+        the fence answers (and shows in ``last_step_id``); one that arrives later is refused."""
+        last_step_id = await self._queued(context, self._fence, request.epoch)
         return pb.FenceResponse(last_step_id=last_step_id)
 
     def _fence(self, epoch: int) -> int | None:
@@ -238,7 +238,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     async def EndSteps(
         self, request: pb.EndStepsRequest, context: grpc.aio.ServicerContext
     ) -> pb.EndStepsResponse:
-        """Outside the lock, which the step it ends holds while it runs; the steps sent
+        """Not queued: the step it ends runs on the executor's thread meanwhile; the steps sent
         after it (up to ``step_id``) end after their first step too."""
         self.executor.end_steps(request.step_id, self.ledger.epoch)
         return pb.EndStepsResponse()
@@ -247,7 +247,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self, request: pb.CopyBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.CopyBlocksResponse:
         """Copy-on-write pairs outside a step; counted in the stats like a step's."""
-        num = await self._locked(context, self._copy_blocks, pairs_from_pb(request.blocks_to_copy))
+        num = await self._queued(context, self._copy_blocks, pairs_from_pb(request.blocks_to_copy))
         return pb.CopyBlocksResponse(num_copied=num)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> int:
@@ -264,7 +264,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         """Swap out, then swap in, outside a step; counted in the stats like a step's."""
         out = pairs_from_pb(request.blocks_to_swap_out)
         into = pairs_from_pb(request.blocks_to_swap_in)
-        num_out, num_in = await self._locked(context, self._swap_blocks, out, into)
+        num_out, num_in = await self._queued(context, self._swap_blocks, out, into)
         return pb.SwapBlocksResponse(num_swapped_out=num_out, num_swapped_in=num_in)
 
     def _swap_blocks(
@@ -283,7 +283,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
-        """Answers without the lock: counters only, never the pools."""
+        """Not queued: counters only, never the pools."""
         return stats_to_pb(self.stats)
 
 
