@@ -20,6 +20,7 @@ from scheduler_svc.core.scheduler import ScheduledGroup, Scheduler, SchedulerOut
 from scheduler_svc.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.engine.detokenizer import Detokenizer, find_stop
 from scheduler_svc.engine.executor_client import ExecutorError, StepRefused
+from scheduler_svc.engine.reconnect import ExecutorGone
 from scheduler_svc.state.journal import Journal, restore_groups
 from scheduler_svc.state.persistence import PendingStep, RestoredGroup, step_from_json, step_to_json
 from scheduler_svc.state.state_store import StoredState
@@ -152,6 +153,8 @@ class LLMEngine:
             executor, PipelinedExecutor
         )
         self._ahead: _Call | None = None
+        # The call after ``_ahead``, sent once the call before ``_ahead`` was applied.
+        self._sent_early: _Call | None = None
         # Running means of the engine's own time per call and of its wait for an answer
         # (see _ahead_pays), and when the last answer came while work went on.
         self._own_s = self._wait_s = 0.0
@@ -244,7 +247,7 @@ class LLMEngine:
         The groups stay in this engine's journal until the caller drops its lane, so a
         crash while they move loses none of them.
         """
-        self._ahead = self._applied_at = None  # its work is redone where the groups go
+        self._ahead = self._sent_early = self._applied_at = None  # redone where they go
         self.scheduler.recompute_all()
         moved, self.scheduler.waiting = self.scheduler.waiting, []
         self.flush()  # the last step's events, before another engine continues the stream
@@ -275,7 +278,7 @@ class LLMEngine:
         if journal is not None:
             journal.crash_if_asked("before_persist")
         start = time.perf_counter()
-        call, self._ahead = self._ahead, None
+        call, self._ahead, self._sent_early = self._ahead, self._sent_early, None
         if call is None:
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -283,7 +286,7 @@ class LLMEngine:
                 return self._apply(out, None, None)
             call = self._send(out)
         try:
-            if self.async_scheduling and self._ahead_pays():
+            if self._ahead is None and self.async_scheduling and self._ahead_pays():
                 self._ahead = self._send_ahead(call)
             self._steps_in_a_row = self._newest_in_a_row(call)
             result = self._timed_wait(call)
@@ -298,10 +301,12 @@ class LLMEngine:
         self.stats.execute_seconds += time.perf_counter() - start
         if journal is not None:
             journal.crash_if_asked("after_execute")
-        outcome = self._apply(call.out, call.step, result)
+        outcome = self._apply_tokens(call.out, call.step, result)
         self._time_tokens(call.step, result)
         if not self.has_unfinished():
             self._answered_at = None
+        self._send_early()
+        self._apply_text(outcome)
         if self._ahead is not None and journal is not None:
             if not self._commit_due(outcome):
                 journal.hold(outcome.deltas)
@@ -313,6 +318,20 @@ class LLMEngine:
             outcome.durable = journal.commit(self.scheduler, meta, wait=False)
             journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
+
+    def _send_early(self) -> None:
+        """Send the call after the one in flight now that the call before it is applied,
+        rather than at the start of the next step: the executor then finds it waiting
+        although the engine's loop, the commit below and the lane's next turn come in
+        between. A request that arrived meanwhile joins the call after it."""
+        if self._ahead is None or not self.async_scheduling or not self._ahead_pays():
+            return
+        try:
+            self._sent_early = self._send_ahead(self._ahead)
+        except ExecutorGone:
+            return  # the next step meets it, and the lane retires with this outcome out
+        finally:
+            self._steps_in_a_row = self._newest_in_a_row()
 
     def _ahead_pays(self) -> bool:
         """Whether to send the next call ahead: always while no request arrived for
@@ -410,7 +429,7 @@ class LLMEngine:
 
     def _newest_in_a_row(self, call: _Call | None = None) -> int | None:
         """The id of the newest call in flight that decodes several steps in a row."""
-        for pending in (self._ahead, call):
+        for pending in (self._sent_early, self._ahead, call):
             if pending is not None and any(s.num_steps > 1 for s in pending.step.seqs):
                 return pending.step.step_id
         return None
@@ -438,6 +457,15 @@ class LLMEngine:
         self, out: SchedulerOutput, step: ExecuteStep | None, result: StepResult | None
     ) -> StepOutcome:
         """Everything after Execute: tokens, forks, stops, text, events, commit 2."""
+        outcome = self._apply_tokens(out, step, result)
+        self._apply_text(outcome)
+        return outcome
+
+    def _apply_tokens(
+        self, out: SchedulerOutput, step: ExecuteStep | None, result: StepResult | None
+    ) -> StepOutcome:
+        """What the next call's decision needs: tokens, forks, stops, blocks. Only groups
+        with stop strings have their text decoded here (a completed one ends a sequence)."""
         outcome = StepOutcome(finished=list(out.ignored), preempted=list(out.preempted))
         # Ended while the call ran (aborted, expired, or stopped by the call before a
         # call sent ahead): what was drawn for them is dropped.
@@ -455,8 +483,8 @@ class LLMEngine:
                     outcome.finished += self.processor.process(out, samples)
                     if self.detokenizer is not None and stops:  # may end a run mid-way
                         self._detokenize(outcome, stops)
-            if self.detokenizer is not None:  # the rest: a run's tokens decoded at once
-                self._detokenize(outcome, outcome.groups)
+            if self.detokenizer is not None:  # a run's tokens decoded at once
+                self._detokenize(outcome, [g for g in outcome.groups if g.sampling_params.stop])
             # Slots mapped ahead that no call in flight will use (ended early, or the call
             # sent ahead left the sequence out) go back.
             ahead = set() if self._ahead is None else {s.seq_id for s in self._ahead.step.seqs}
@@ -465,6 +493,12 @@ class LLMEngine:
                     if seq.seq_id not in ahead:
                         self.scheduler.block_manager.unmap_ahead(seq)
             outcome.deltas += refused
+        return outcome
+
+    def _apply_text(self, outcome: StepOutcome) -> None:
+        """The text of the groups without stop strings, the events, the journal's share."""
+        if self.detokenizer is not None:
+            self._detokenize(outcome, [g for g in outcome.groups if not g.sampling_params.stop])
         ended = {id(g) for g in outcome.finished}
         ran = {id(g) for g in outcome.groups}
         held = self.journal.held if self.journal is not None else {}
@@ -486,7 +520,6 @@ class LLMEngine:
             self.journal.defer(outcome.deltas)
             if outcome.deltas:  # published once it lands: see StepOutcome.durable
                 outcome.durable = self.journal.next_landing()
-        return outcome
 
     def _end_refused(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
         """End the requests the executor left out of the step (a grammar it cannot use):

@@ -577,6 +577,33 @@ def test_async_scheduling_over_grpc_matches_in_process(
     assert not engine.scheduler.block_manager.block_tables
 
 
+def test_a_step_sends_the_call_after_the_one_in_flight_before_it_returns(server: Server) -> None:
+    """Once N is applied, the step sends N+2 (following N+1, which runs) before the text,
+    the events and the commit: the engine's loop between two steps is off the path from
+    N's answer to N+2 on the wire, and a step returns with two calls in flight."""
+    info = server.client.init_cache()
+    recorded = _Recorded(server.client)
+    outcomes = _InFlight(recorded)
+    _, engine = _arrivals(recorded, info, server.next_epoch(), 1, outcomes=outcomes)
+    assert engine.stats.num_steps_ahead > 0
+    assert max(outcomes.in_flight) == 2
+    assert outcomes.in_flight.count(2) > len(outcomes) // 2
+
+
+class _InFlight(list):
+    """Outcomes, and the calls sent but not yet applied as each step returned (a step
+    applies one call)."""
+
+    def __init__(self, recorded: _Recorded) -> None:
+        super().__init__()
+        self.recorded = recorded
+        self.in_flight: list[int] = []
+
+    def append(self, outcome: StepOutcome) -> None:
+        super().append(outcome)
+        self.in_flight.append(len(self.recorded.steps) - len(self))
+
+
 class _CountedStore(InMemoryStateStore):
     def __init__(self) -> None:
         super().__init__()
