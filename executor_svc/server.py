@@ -25,6 +25,7 @@ from executor_svc.step_guard import (
     InvalidArgument,
     PreconditionFailed,
     StepLedger,
+    validate_followers,
     validate_pairs,
     validate_step,
 )
@@ -132,23 +133,27 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         scheduling) is parsed meanwhile."""
         try:
             step = step_from_pb(request)
-        except ValueError as e:  # SamplingParams refused a field
+            validate_step(step, self._ready_info())
+        except ValueError as e:  # a field refused (SamplingParams, or InvalidArgument)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(str(e)))
+            raise AssertionError("unreachable: abort raises") from None
+        except PreconditionFailed as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(str(e)))
             raise AssertionError("unreachable: abort raises") from None
         fingerprint = _fingerprint(request)
         result = await self._queued(context, self._execute, step, fingerprint)
         return result_to_pb(result)
 
     def _execute(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
-        """Judged before it is checked: a replay was checked when it was applied, and a
-        step that follows another is complete only once its followers are filled in.
-        Nothing is mutated before the step is applied, so a refused call leaves the epoch,
-        the ledger and the pools as they were."""
+        """Checked as read (``validate_step``), judged, and only then are its followers
+        filled in and checked: a step that follows another is complete once the step
+        before it ran. Nothing is mutated before the step is applied, so a refused call
+        leaves the epoch, the ledger and the pools as they were."""
         info = self._ready_info()
         if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
             return self._replay(step, fingerprint)
         self._fill_followers(step)
-        validate_step(step, info)
+        validate_followers(step, info)
         return self._apply(step, fingerprint)
 
     def _fill_followers(self, step: ExecuteStep) -> None:
@@ -160,8 +165,6 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         for index, seq in enumerate(step.seqs):
             if seq.follows:
                 followers.append((index, seq))
-            elif seq.table_start:
-                raise InvalidArgument(f"seqs[{index}].table_start: only a sequence that follows")
         if step.follows_step_id is None:
             if followers:
                 raise InvalidArgument(f"seqs[{followers[0][0]}].follows: no follows_step_id")

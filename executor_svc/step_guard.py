@@ -30,42 +30,75 @@ def validate_pairs(pairs: BlockPairs, field: str, num_src: int, num_dst: int) ->
 def validate_step(step: ExecuteStep, info: ModelInfo) -> None:
     """Raise InvalidArgument, naming the field and the limit, for anything that would index
     outside the pools, the vocabulary or the model's length, or ask for more work than a
-    step over these pools can hold; mutates nothing."""
+    step over these pools can hold; mutates nothing. A sequence that ``follows`` is checked
+    as sent: its position and the entries it keeps come when the step it follows has run
+    (``validate_followers``). Called as the step is read, while the step before it runs."""
     gpu, cpu = info.num_gpu_blocks, info.num_cpu_blocks
     validate_pairs(step.blocks_to_swap_out, "blocks_to_swap_out", gpu, cpu)
     validate_pairs(step.blocks_to_swap_in, "blocks_to_swap_in", cpu, gpu)
     validate_pairs(step.blocks_to_copy, "blocks_to_copy", gpu, gpu)
     first_index: dict[int, int] = {}
     for index, seq in enumerate(step.seqs):
-        _validate_seq(seq, f"seqs[{index}]", info)
+        _validate_seq(seq, index, info)
         # Outputs, grammar state and refusals are keyed by seq_id: two would be confused.
         if (first := first_index.setdefault(seq.seq_id, index)) != index:
             raise InvalidArgument(f"seqs[{index}].seq_id: {seq.seq_id} already in seqs[{first}]")
-    # Two writes to one slot in a step would lose one, so no valid step writes more.
-    num_writes = sum(len(seq.new_token_ids) + seq.num_steps - 1 for seq in step.seqs)
+    # Two writes to one slot in a step would lose one, so no valid step writes more. A
+    # follower writes one new token (filled in later) per step.
+    num_writes = sum(max(len(seq.new_token_ids), 1) + seq.num_steps - 1 for seq in step.seqs)
     num_slots = gpu * info.block_size
     if num_writes > num_slots:
         raise InvalidArgument(f"seqs: {num_writes} positions written > {num_slots} slots")
 
 
-def _validate_seq(seq: SeqStep, name: str, info: ModelInfo) -> None:
-    _validate_samples(seq, name, info)
-    _validate_positions(seq, name, info)
-    _validate_table(seq, f"{name}.block_table", info)
-    for field in ("new_token_ids", "prompt_token_ids", "output_token_ids"):
-        _check_range(getattr(seq, field), f"{name}.{field}", "token id", info.vocab_size)
+def validate_followers(step: ExecuteStep, info: ModelInfo) -> None:
+    """What filling in the followers decided: each one's positions, and the entries its
+    window lets be freed (its table's first entries are those of the step it follows)."""
+    for index, seq in enumerate(step.seqs):
+        if seq.follows:
+            _validate_positions(seq, index, info)
+            _validate_freed(seq, index, info)
+
+
+def _validate_seq(seq: SeqStep, index: int, info: ModelInfo) -> None:
+    if seq.table_start and not seq.follows:
+        raise InvalidArgument(f"seqs[{index}].table_start: only a sequence that follows")
+    _validate_samples(seq, index, info)
+    if seq.follows:
+        # Sent before its position and its table's first entries are known (see
+        # validate_followers): the entries sent hold blocks, but for the leading ones
+        # freed of a whole table, which its window decides.
+        start = 0 if seq.table_start else num_freed(seq.block_table)
+        _check_range(
+            seq.block_table,
+            index,
+            "block_table",
+            "block id",
+            info.num_gpu_blocks,
+            start,
+            origin=seq.table_start,
+        )
+    else:
+        _validate_positions(seq, index, info)
+        freed = _validate_freed(seq, index, info)
+        _check_range(seq.block_table, index, "block_table", "block id", info.num_gpu_blocks, freed)
+    _check_range(seq.new_token_ids, index, "new_token_ids", "token id", info.vocab_size)
+    _check_range(seq.prompt_token_ids, index, "prompt_token_ids", "token id", info.vocab_size)
+    _check_range(seq.output_token_ids, index, "output_token_ids", "token id", info.vocab_size)
     num_history = len(seq.prompt_token_ids) + len(seq.output_token_ids)
     if num_history > info.max_model_len:
         raise InvalidArgument(
-            f"{name}: {num_history} prompt and output tokens > max_model_len {info.max_model_len}"
+            f"seqs[{index}]: {num_history} prompt and output tokens > max_model_len "
+            f"{info.max_model_len}"
         )
 
 
-def _validate_samples(seq: SeqStep, name: str, info: ModelInfo) -> None:
+def _validate_samples(seq: SeqStep, index: int, info: ModelInfo) -> None:
     """A group runs only if each of its samples or beams can own two blocks (see
     Scheduler.check_fits), so no valid step draws more samples, or beam candidates (two
     per beam), than the pool has blocks. None is drawn for a prompt chunk short of the
     prompt's end, which then runs one step."""
+    name = f"seqs[{index}]"
     if not 0 <= seq.num_samples <= info.num_gpu_blocks:
         raise InvalidArgument(
             f"{name}.num_samples: {seq.num_samples} outside [0, num_gpu_blocks "
@@ -87,9 +120,10 @@ def _validate_samples(seq: SeqStep, name: str, info: ModelInfo) -> None:
         )
 
 
-def _validate_positions(seq: SeqStep, name: str, info: ModelInfo) -> None:
+def _validate_positions(seq: SeqStep, index: int, info: ModelInfo) -> None:
     """Every position the sequence writes lies below max_model_len and in a mapped block,
     and the table maps no more blocks than a sequence of max_model_len tokens needs."""
+    name = f"seqs[{index}]"
     if not seq.new_token_ids:
         raise InvalidArgument(f"{name}.new_token_ids: empty, a step needs at least one new token")
     if seq.num_computed_tokens < 0:
@@ -115,29 +149,38 @@ def _validate_positions(seq: SeqStep, name: str, info: ModelInfo) -> None:
         )
 
 
-def _validate_table(seq: SeqStep, name: str, info: ModelInfo) -> None:
-    """Every entry a kernel may read holds a block of the pool. Leading entries may be
-    NO_BLOCK (freed) only where every layer slides, and only as far as they lie wholly
-    before the window of the step's first new token, which reaches back furthest. A
-    follower's entries before ``table_start`` were checked with the step it follows."""
+def _validate_freed(seq: SeqStep, index: int, info: ModelInfo) -> int:
+    """Leading entries may be NO_BLOCK (freed) only where every layer slides, and only as
+    far as they lie wholly before the window of the step's first new token, which reaches
+    back furthest. Returns their number."""
     freed = num_freed(seq.block_table)
     first_seen = seq.num_computed_tokens - info.sliding_window + 1
     num_outside = max(0, first_seen) // info.block_size if info.sliding_window else 0
     if freed > num_outside:
         raise InvalidArgument(
-            f"{name}[{freed - 1}]: freed (-1), but position {seq.num_computed_tokens} attends "
-            f"to it (sliding_window {info.sliding_window}, 0: every position)"
+            f"seqs[{index}].block_table[{freed - 1}]: freed (-1), but position "
+            f"{seq.num_computed_tokens} attends to it (sliding_window {info.sliding_window}, "
+            "0: every position)"
         )
-    start = max(freed, seq.table_start)
-    _check_range(seq.block_table, name, "block id", info.num_gpu_blocks, start=start)
+    return freed
 
 
-def _check_range(values: list[int], name: str, what: str, limit: int, start: int = 0) -> None:
-    """Raise InvalidArgument naming the first of ``values[start:]`` outside [0, limit)."""
-    rest = values[start:]
+def _check_range(
+    values: list[int],
+    index: int,
+    field: str,
+    what: str,
+    limit: int,
+    start: int = 0,
+    origin: int = 0,
+) -> None:
+    """Raise InvalidArgument naming the first of ``values[start:]`` outside [0, limit), as
+    entry ``origin`` + its index of the field (a follower's table is sent from there on)."""
+    rest = values[start:] if start else values
     if rest and (min(rest) < 0 or max(rest) >= limit):
-        index, value = next((i, v) for i, v in enumerate(rest, start) if not 0 <= v < limit)
-        raise InvalidArgument(f"{name}[{index}]: {what} {value} outside [0, {limit})")
+        first = origin + start
+        at, value = next((i, v) for i, v in enumerate(rest, first) if not 0 <= v < limit)
+        raise InvalidArgument(f"seqs[{index}].{field}[{at}]: {what} {value} outside [0, {limit})")
 
 
 @dataclass(slots=True)
