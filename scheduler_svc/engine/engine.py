@@ -153,8 +153,10 @@ class LLMEngine:
             executor, PipelinedExecutor
         )
         self._ahead: _Call | None = None
-        # The call after ``_ahead``, sent once the call before ``_ahead`` was applied.
+        # The call after ``_ahead``, sent once the call before ``_ahead`` was applied,
+        # unless a request arrived during the step (set from other threads).
         self._sent_early: _Call | None = None
+        self._arrived = False
         # Running means of the engine's own time per call and of its wait for an answer
         # (see _ahead_pays), and when the last answer came while work went on.
         self._own_s = self._wait_s = 0.0
@@ -278,6 +280,7 @@ class LLMEngine:
         if journal is not None:
             journal.crash_if_asked("before_persist")
         start = time.perf_counter()
+        self._arrived = False  # the lane added what came before the step
         call, self._ahead, self._sent_early = self._ahead, self._sent_early, None
         if call is None:
             out = self.scheduler.schedule()
@@ -323,8 +326,11 @@ class LLMEngine:
         """Send the call after the one in flight now that the call before it is applied,
         rather than at the start of the next step: the executor then finds it waiting
         although the engine's loop, the commit below and the lane's next turn come in
-        between. A request that arrived meanwhile joins the call after it."""
-        if self._ahead is None or not self.async_scheduling or not self._ahead_pays():
+        between. Not when a request arrived during the step: sent at the start of the
+        next step, that call admits it, one call sooner."""
+        if self._ahead is None or not self.async_scheduling or self._arrived:
+            return
+        if not self._ahead_pays():
             return
         try:
             self._sent_early = self._send_ahead(self._ahead)
@@ -436,9 +442,11 @@ class LLMEngine:
 
     def end_steps(self) -> None:
         """A request arrived: have the calls in flight decoding several steps in a row stop
-        after the step running, so the newcomer waits one decode step, not all of them.
+        after the step running, so the newcomer waits one decode step, not all of them,
+        and send no call early in this step (``_send_early``).
         Called from other threads while ``step`` runs; a call that already answered is
         left be."""
+        self._arrived = True
         step_id = self._steps_in_a_row
         if step_id is not None:
             self.executor.end_steps(step_id)

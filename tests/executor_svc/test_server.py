@@ -503,11 +503,13 @@ def _arrivals(
     journal: Journal | None = None,
     commit_interval_s: float = 0.0,
     outcomes: list[StepOutcome] | None = None,
+    on_engine: Callable[[LLMEngine], None] | None = None,
     **scheduling: float,
 ) -> tuple[list, LLMEngine]:
     """Greedy and seeded requests, each arriving after a step of those before it, to the
     end; their tokens and cumulative logprobs, and the engine. Each step's outcome goes
-    to ``outcomes``; ``scheduling``: more SchedulerConfig fields."""
+    to ``outcomes``, the engine to ``on_engine`` before its first step; ``scheduling``:
+    more SchedulerConfig fields."""
     cache = CacheConfig(
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
@@ -524,6 +526,8 @@ def _arrivals(
         engine.epoch = epoch
     else:
         engine.recover(journal.store.begin_epoch(epoch))
+    if on_engine is not None:
+        on_engine(engine)
     steps = outcomes if outcomes is not None else []
     rng = random.Random(1)
     groups = []
@@ -588,6 +592,22 @@ def test_a_step_sends_the_call_after_the_one_in_flight_before_it_returns(server:
     assert engine.stats.num_steps_ahead > 0
     assert max(outcomes.in_flight) == 2
     assert outcomes.in_flight.count(2) > len(outcomes) // 2
+
+
+def test_a_request_arriving_during_a_step_joins_the_call_the_next_step_sends(
+    server: Server,
+) -> None:
+    """A request routed to the lane while a step waits (the lane calls ``end_steps``)
+    keeps that step from sending the call after next early: the next step sends it once
+    the lane has added the newcomer, which then waits one call less."""
+    info = server.client.init_cache()
+    recorded = _ArrivingWhileWaiting(server.client, every=3)
+    outcomes = _InFlight(recorded)
+    recorded.outcomes = outcomes
+    _arrivals(recorded, info, server.next_epoch(), 1, outcomes=outcomes, on_engine=recorded.watch)
+    arrived = set(recorded.arrived_in)
+    assert arrived and all(outcomes.in_flight[i] <= 1 for i in arrived)
+    assert 2 in [n for i, n in enumerate(outcomes.in_flight) if i not in arrived]
 
 
 class _InFlight(list):
@@ -696,6 +716,34 @@ class _Recorded:
 
     def end_steps(self, step_id: int) -> None:
         self.client.end_steps(step_id)
+
+
+class _ArrivingWhileWaiting(_Recorded):
+    """The gRPC client; while the engine waits for every ``every``-th answer, a request
+    arrives (``end_steps``, as the lane set calls it), in the step ``arrived_in`` names."""
+
+    def __init__(self, client: ExecutorClient, every: int) -> None:
+        super().__init__(client)
+        self.every = every
+        self.engine: LLMEngine | None = None
+        self.outcomes: list[StepOutcome] = []
+        self.arrived_in: list[int] = []
+        self.num_waits = 0
+
+    def watch(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        answer = super().start(step)
+
+        def wait() -> StepResult:
+            self.num_waits += 1
+            if self.engine is not None and self.num_waits % self.every == 0:
+                self.engine.end_steps()
+                self.arrived_in.append(len(self.outcomes))  # the step running
+            return answer()
+
+        return wait
 
 
 class _Slow(_Recorded):
