@@ -98,53 +98,57 @@ def _validate_samples(seq: SeqStep, index: int, info: ModelInfo) -> None:
     Scheduler.check_fits), so no valid step draws more samples, or beam candidates (two
     per beam), than the pool has blocks. None is drawn for a prompt chunk short of the
     prompt's end, which then runs one step."""
-    name = f"seqs[{index}]"
     if not 0 <= seq.num_samples <= info.num_gpu_blocks:
         raise InvalidArgument(
-            f"{name}.num_samples: {seq.num_samples} outside [0, num_gpu_blocks "
+            f"seqs[{index}].num_samples: {seq.num_samples} outside [0, num_gpu_blocks "
             f"{info.num_gpu_blocks}]"
         )
     if seq.num_samples == 0 and seq.num_steps > 1:
-        raise InvalidArgument(f"{name}.num_steps: {seq.num_steps} steps in a row draw nothing")
+        raise InvalidArgument(
+            f"seqs[{index}].num_steps: {seq.num_steps} steps in a row draw nothing"
+        )
     if seq.sampling_params.use_beam_search and seq.num_samples > info.vocab_size:
         raise InvalidArgument(
-            f"{name}.num_samples: {seq.num_samples} beams > vocab_size {info.vocab_size}"
+            f"seqs[{index}].num_samples: {seq.num_samples} beams > vocab_size {info.vocab_size}"
         )
     if seq.num_steps < 1:
-        raise InvalidArgument(f"{name}.num_steps: {seq.num_steps} < 1")
+        raise InvalidArgument(f"seqs[{index}].num_steps: {seq.num_steps} < 1")
     if seq.follows and (seq.num_samples != 1 or seq.sampling_params.use_beam_search):
-        raise InvalidArgument(f"{name}.follows: a sequence that follows draws one sample, no beams")
+        raise InvalidArgument(
+            f"seqs[{index}].follows: a sequence that follows draws one sample, no beams"
+        )
     if seq.num_steps > 1 and (seq.num_samples > 1 or seq.sampling_params.use_beam_search):
         raise InvalidArgument(
-            f"{name}.num_steps: {seq.num_steps} steps in a row need one sample and no beams"
+            f"seqs[{index}].num_steps: {seq.num_steps} steps in a row need one sample and no beams"
         )
 
 
 def _validate_positions(seq: SeqStep, index: int, info: ModelInfo) -> None:
     """Every position the sequence writes lies below max_model_len and in a mapped block,
     and the table maps no more blocks than a sequence of max_model_len tokens needs."""
-    name = f"seqs[{index}]"
     if not seq.new_token_ids:
-        raise InvalidArgument(f"{name}.new_token_ids: empty, a step needs at least one new token")
+        raise InvalidArgument(
+            f"seqs[{index}].new_token_ids: empty, a step needs at least one new token"
+        )
     if seq.num_computed_tokens < 0:
         raise InvalidArgument(
-            f"{name}.num_computed_tokens: negative position {seq.num_computed_tokens}"
+            f"seqs[{index}].num_computed_tokens: negative position {seq.num_computed_tokens}"
         )
     last_len = seq.context_len + seq.num_steps - 1  # positions written by the last step
     if last_len > info.max_model_len:
         raise InvalidArgument(
-            f"{name}: last position {last_len - 1} >= max_model_len {info.max_model_len}"
+            f"seqs[{index}]: last position {last_len - 1} >= max_model_len {info.max_model_len}"
         )
     num_blocks, block_size = len(seq.block_table), info.block_size
     if num_blocks * block_size < last_len:
         raise InvalidArgument(
-            f"{name}.block_table: {num_blocks} blocks hold {num_blocks * block_size} slots, "
+            f"seqs[{index}].block_table: {num_blocks} blocks hold {num_blocks * block_size} slots, "
             f"positions need {last_len}"
         )
     max_blocks = -(-info.max_model_len // block_size)
     if num_blocks > max_blocks:
         raise InvalidArgument(
-            f"{name}.block_table: {num_blocks} blocks > {max_blocks} for max_model_len "
+            f"seqs[{index}].block_table: {num_blocks} blocks > {max_blocks} for max_model_len "
             f"{info.max_model_len}"
         )
 
