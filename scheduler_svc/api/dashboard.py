@@ -147,7 +147,7 @@ class Dashboard:
 
     def after_step(self, name: str, engine: LLMEngine, outcome: StepOutcome) -> None:
         now = time.monotonic()
-        tokens = sum(len(out.token_ids) for d in outcome.pieces for out in d.outputs)
+        tokens = sum(len(out.token_ids) for d in outcome.deltas for out in d.outputs)
         with self._lock:
             entry = self._engines.setdefault(name, _Engine())
             entry.tokens += tokens

@@ -72,22 +72,15 @@ class StepOutcome:
 
     groups: list[SequenceGroup] = field(default_factory=list)
     finished: list[SequenceGroup] = field(default_factory=list)
-    text_deltas: dict[int, str] = field(default_factory=dict)  # seq_id -> new text
-    deltas: list[RequestDelta] = field(default_factory=list)  # the step's stream events
-    # The step's deltas of requests whose last event waits for the same commit, folded into
-    # it (Journal.hold): counted as the step's tokens, published with that event.
-    folded: list[RequestDelta] = field(default_factory=list)
+    # The step's stream events; a call that shares a later commit makes none, and that
+    # commit's step makes one a request for all the calls it covers (LLMEngine._untold).
+    deltas: list[RequestDelta] = field(default_factory=list)
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
     # The commit that holds ``deltas``, still on its way to the store or still to be made
     # (Journal.next_landing): publish them once it has landed, so that no client sees an
     # event a restart would not find, nor one it would make again in other bounds (a call
     # run past the journal is recomputed, its tokens one event a call). None: landed.
     durable: Future[None] | None = None
-
-    @property
-    def pieces(self) -> list[RequestDelta]:
-        """Every delta of the step, its events and those folded: what it generated."""
-        return self.deltas + self.folded
 
 
 @dataclass(slots=True)
@@ -165,6 +158,8 @@ class LLMEngine:
         self.epoch = 0
         self.stats = EngineStats()
         self.streams = StreamTracker()
+        # Groups that calls sharing a later commit ran: their text and events wait for it.
+        self._untold: dict[str, SequenceGroup] = {}
 
     def add_request(
         self,
@@ -215,6 +210,7 @@ class LLMEngine:
             if g.sampling_params.timeout is not None
             and now > g.arrival_time + g.sampling_params.timeout
         ]
+        told = self.catch_up([g.request_id for g in late])  # what they drew, before the end
         deltas = []
         for group in late:
             self.abort(group.request_id)
@@ -230,11 +226,15 @@ class LLMEngine:
             )
         if self.journal is not None:
             self.journal.defer(deltas)
-        return late, deltas
+        return late, told + deltas
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         group = self.scheduler.abort(request_id)
-        if group is not None and self.journal is not None:
+        if group is None:
+            return None
+        if self._untold.pop(request_id, None) is not None and self.detokenizer is not None:
+            self._detokenize([group])  # its last event carries its text
+        if self.journal is not None:
             self.journal.remove(request_id)
         return group
 
@@ -242,18 +242,20 @@ class LLMEngine:
         """Groups to run, or a call sent ahead whose answer is still to be read."""
         return self.scheduler.has_unfinished() or self._ahead is not None
 
-    def evacuate(self) -> list[tuple[SequenceGroup, int]]:
-        """Take every unfinished group off this executor, reset to be recomputed elsewhere,
-        with the number of stream events each has emitted so far.
+    def evacuate(self) -> tuple[list[RequestDelta], list[tuple[SequenceGroup, int]]]:
+        """Take every unfinished group off this executor, reset to be recomputed elsewhere.
+        Returns the events made for them here last, to publish, and the groups with the
+        number of stream events each has emitted so far.
 
         The groups stay in this engine's journal until the caller drops its lane, so a
         crash while they move loses none of them.
         """
         self._ahead = self._sent_early = self._applied_at = None  # redone where they go
+        told = self.catch_up()
         self.scheduler.recompute_all()
         moved, self.scheduler.waiting = self.scheduler.waiting, []
         self.flush()  # the last step's events, before another engine continues the stream
-        return [(group, self.streams.forget(group)) for group in moved]
+        return told, [(group, self.streams.forget(group)) for group in moved]
 
     def attach(self, group: SequenceGroup, num_events: int, source: str) -> None:
         """Continue a group evacuated from another executor (it waits to be recomputed).
@@ -309,17 +311,19 @@ class LLMEngine:
         if not self.has_unfinished():
             self._answered_at = None
         self._send_early()
+        if self._ahead is None or journal is None:
+            self._apply_text(outcome)
+            return outcome
+        if not self._commit_due(outcome):
+            self._untold.update((group.request_id, group) for group in outcome.groups)
+            return outcome
         self._apply_text(outcome)
-        if self._ahead is not None and journal is not None:
-            if not self._commit_due(outcome):
-                journal.hold(outcome.deltas)
-                return outcome
-            # The state after this call, while the next one runs; the next is not pending
-            # (a new leader finds the executor past this commit and recomputes). The round
-            # trip to the store overlaps the next call's scheduling too.
-            meta = self._meta(call.step.step_id)
-            outcome.durable = journal.commit(self.scheduler, meta, wait=False)
-            journal.crash_if_asked("after_persist", settle=journal.settle)
+        # The state after this call, while the next one runs; the next is not pending
+        # (a new leader finds the executor past this commit and recomputes). The round
+        # trip to the store overlaps the next call's scheduling too.
+        meta = self._meta(call.step.step_id)
+        outcome.durable = journal.commit(self.scheduler, meta, wait=False)
+        journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
 
     def _send_early(self) -> None:
@@ -364,12 +368,17 @@ class LLMEngine:
     def _commit_due(self, outcome: StepOutcome) -> bool:
         """Whether the call just applied, sent ahead of the next, is committed now. One that
         only continued streams waits for a later commit while the last began less than
-        ``commit_interval_s`` ago: its events are published with that commit, and a crash
-        before it finds the executor past the journal, which recomputes (docs/architecture.md,
-        "Async scheduling"). A first token or an end is committed at once."""
+        ``commit_interval_s`` ago: its groups' text and events are made with that commit
+        (``_untold``), and a crash before it finds the executor past the journal, which
+        recomputes (docs/architecture.md, "Async scheduling"). A first token, an end, or an
+        event made between steps (an abort, a deadline) is committed at once."""
         interval = self.scheduler.config.commit_interval_s
-        if not interval or outcome.finished or any(d.event == 1 for d in outcome.deltas):
+        if not interval or outcome.finished or outcome.deltas or self.journal.has_events:
             return True
+        streams = self.streams
+        for group in outcome.groups:
+            if not streams.has_events(group.request_id) and group.seqs[0].output_token_ids:
+                return True
         return time.monotonic() - self.journal.committed_at >= interval
 
     def _time_tokens(self, step: ExecuteStep, result: StepResult) -> None:
@@ -454,12 +463,13 @@ class LLMEngine:
     def _recompute_all(self, instance_id: str) -> StepOutcome:
         """The executor came back empty: the step in flight is void, all groups restart."""
         self.executor_instance = instance_id
+        told = self.catch_up()
         moved = self.scheduler.recompute_all()
         if self.journal is not None:
             for group in moved:
                 self.journal.touch(group)
             self.journal.commit(self.scheduler, self._meta(self._step_ids.value - 1))
-        return StepOutcome()
+        return StepOutcome(deltas=told)
 
     def _apply(
         self, out: SchedulerOutput, step: ExecuteStep | None, result: StepResult | None
@@ -490,9 +500,10 @@ class LLMEngine:
                 for samples in _one_step_at_a_time(step, result):
                     outcome.finished += self.processor.process(out, samples)
                     if self.detokenizer is not None and stops:  # may end a run mid-way
-                        self._detokenize(outcome, stops)
+                        outcome.finished += self._detokenize(stops)
             if self.detokenizer is not None:  # a run's tokens decoded at once
-                self._detokenize(outcome, [g for g in outcome.groups if g.sampling_params.stop])
+                stops = [g for g in outcome.groups if g.sampling_params.stop]
+                outcome.finished += self._detokenize(stops)
             # Slots mapped ahead that no call in flight will use (ended early, or the call
             # sent ahead left the sequence out) go back.
             ahead = set() if self._ahead is None else {s.seq_id for s in self._ahead.step.seqs}
@@ -504,24 +515,23 @@ class LLMEngine:
         return outcome
 
     def _apply_text(self, outcome: StepOutcome) -> None:
-        """The text of the groups without stop strings, the events, the journal's share."""
+        """The text of the groups without stop strings, the events, the journal's share:
+        of the groups the call ran, and of those calls that shared this commit ran."""
+        groups = outcome.groups
+        if self._untold:
+            ran = {g.request_id for g in groups}
+            groups = groups + [g for r, g in self._untold.items() if r not in ran]
+            self._untold.clear()
         if self.detokenizer is not None:
-            self._detokenize(outcome, [g for g in outcome.groups if not g.sampling_params.stop])
+            self._detokenize([g for g in groups if not g.sampling_params.stop])
         ended = {id(g) for g in outcome.finished}
-        ran = {id(g) for g in outcome.groups}
-        held = self.journal.held if self.journal is not None else {}
-        for group in outcome.groups + [g for g in outcome.finished if id(g) not in ran]:
-            delta = self.streams.delta(group, outcome.text_deltas, id(group) in ended)
-            if delta is None:
-                continue
-            into = held.get(delta.request_id)
-            if into is not None and not delta.finished:
-                self.streams.fold(into, delta)
-                outcome.folded.append(delta)
-            else:
+        ran = {id(g) for g in groups}
+        for group in groups + [g for g in outcome.finished if id(g) not in ran]:
+            delta = self.streams.delta(group, id(group) in ended)
+            if delta is not None:
                 outcome.deltas.append(delta)
         if self.journal is not None:  # written with the next step's commit, or flush()
-            for group in outcome.groups:
+            for group in groups:
                 self.journal.touch(group)
             for group in outcome.finished:
                 self.journal.remove(group.request_id)
@@ -554,12 +564,36 @@ class LLMEngine:
             )
         return deltas
 
-    def flush(self) -> None:
+    def flush(self) -> list[RequestDelta]:
         """Commit what the last step left (the engine is going idle, or groups moved in).
-        The journal's step id is the last call applied: a call sent ahead is not in it."""
+        The journal's step id is the last call applied: a call sent ahead is not in it.
+        Returns the events made for the calls that had shared this commit (``catch_up``),
+        for the caller to publish: none when the engine is idle or just recovered."""
+        told = self.catch_up()
         if self.journal is not None and self.journal.has_deferred:
             newest = self._step_ids.value if self._ahead is None else self._ahead.step.step_id
             self.journal.commit(self.scheduler, self._meta(newest - 1))
+        return told
+
+    def catch_up(self, request_ids: list[str] | None = None) -> list[RequestDelta]:
+        """Make now the text and events that calls sharing a commit still to come left to
+        it (all, or those of ``request_ids``): before a commit outside a step, or before
+        the groups end or leave between steps. The events go with the journal's next
+        commit; the caller publishes them."""
+        if request_ids is None:
+            groups, self._untold = list(self._untold.values()), {}
+        else:
+            groups = [g for r in request_ids if (g := self._untold.pop(r, None)) is not None]
+        if not groups:
+            return []
+        if self.detokenizer is not None:
+            self._detokenize(groups)
+        deltas = [d for g in groups if (d := self.streams.delta(g, finished=False)) is not None]
+        if self.journal is not None:
+            for group in groups:
+                self.journal.touch(group)
+            self.journal.defer(deltas)
+        return deltas
 
     def _meta(self, step_id: int) -> dict[str, str]:
         return {
@@ -661,8 +695,9 @@ class LLMEngine:
         events = self.journal.store.read_events(request_id)
         self.drop(request_id, 0, f"the request could not be recovered: {why}", len(events))
 
-    def _detokenize(self, outcome: StepOutcome, groups: list[SequenceGroup]) -> None:
-        """Extend each sequence's text; a completed stop string ends the sequence there."""
+    def _detokenize(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
+        """Extend each sequence's text; a completed stop string ends the sequence there.
+        Returns the groups that ended so, their blocks freed."""
         stopped = False
         for group in groups:
             stop = group.sampling_params.stop
@@ -670,17 +705,13 @@ class LLMEngine:
                 if seq.read_offset == len(seq.output_token_ids):
                     continue
                 delta = self.detokenizer.update(seq)
-                text = seq.output_text
-                cut = find_stop(text, len(delta), stop) if stop and delta else None
+                cut = find_stop(seq.output_text, len(delta), stop) if stop and delta else None
                 if cut is not None:
-                    delta = delta[: max(0, len(delta) - (len(text) - cut))]
-                    text.cut(cut)
+                    seq.output_text.cut(cut)
                     if not seq.status.is_finished:
                         self.processor.finish(seq, SequenceStatus.FINISHED_STOPPED)
                         stopped = True
-                outcome.text_deltas[seq.seq_id] = outcome.text_deltas.get(seq.seq_id, "") + delta
-        if stopped:
-            outcome.finished += self.scheduler.free_finished()
+        return self.scheduler.free_finished() if stopped else []
 
     def _count(self, out: SchedulerOutput, step: ExecuteStep) -> None:
         stats = self.stats

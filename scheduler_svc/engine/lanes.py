@@ -103,7 +103,7 @@ class Lane:
             except Exception as e:
                 ended.append(self._drop(move.group.request_id, move.group.prompt_len, e, move))
         if arriving:
-            engine.flush()  # the move is durable here before the old lane lets go
+            ended += engine.flush()  # the move is durable here before the old lane lets go
             with self.lock:
                 self.landing = []
         aborted: list[SequenceGroup] = []
@@ -111,7 +111,7 @@ class Lane:
             group = engine.abort(request_id)
             if group is not None:
                 aborted.append(group)
-                ended.append(engine.streams.delta(group, {}, finished=True))
+                ended.append(engine.streams.delta(group, finished=True))
         if engine.journal is not None:
             engine.journal.defer([d for d in ended if d is not None and d.error is None])
         expired, deadline_deltas = engine.expire(time.time())
@@ -125,7 +125,9 @@ class Lane:
                 self.retiring = True
         if self.retiring:
             source = engine.journal.store.lane_name if engine.journal is not None else self.name
-            moved = [Move(group, events, source) for group, events in engine.evacuate()]
+            told, groups = engine.evacuate()
+            outcome.deltas += told
+            moved = [Move(group, events, source) for group, events in groups]
         outcome.deltas[:0] = [d for d in ended if d is not None]
         outcome.finished[:0] = aborted
         return outcome, moved

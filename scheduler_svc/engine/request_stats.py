@@ -57,7 +57,7 @@ class _Live:
 class RequestTracker:
     """Follows each request from the first step that sees it to its final stream event.
 
-    Token counts come from the stream deltas (``outcome.pieces``), so they equal what the
+    Token counts come from the stream deltas (``outcome.deltas``), so they equal what the
     clients received. Times are wall-clock seconds, the clock of ``arrival_time`` (stamped
     by whichever replica took the request); an arrival in the future counts as now.
     Safe to feed from the threads of several engines.
@@ -91,7 +91,7 @@ class RequestTracker:
                 if live.first_token is None and any(s.output_token_ids for s in group.seqs):
                     live.first_token = now
             ended = {g.request_id: g for g in outcome.finished}
-            for delta in outcome.pieces:
+            for delta in outcome.deltas:
                 if delta.request_id in done:
                     continue
                 num_tokens = sum(len(out.token_ids) for out in delta.outputs)

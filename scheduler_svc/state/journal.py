@@ -70,7 +70,6 @@ class Journal:
         self._consumed: list[str] = []
         self._taken: dict[str, str] = {}  # request id -> the store lane it moves from
         self._events: list[RequestDelta] = []  # deferred to the next commit
-        self.held: dict[str, RequestDelta] = {}  # see hold
         self._marks: dict[str, StoredMark] = {}  # what the store holds of each group
         self._crash_at = crash_point()
         self._num_steps = 0
@@ -118,21 +117,17 @@ class Journal:
         """Hold a step's stream events for the next commit."""
         self._events += events
 
-    def hold(self, events: list[RequestDelta]) -> None:
-        """``events`` are published when the next commit lands: until it is made, a later
-        step's tokens for the same request extend them (LLMEngine folds them in) rather
-        than making an event each, so that a commit holds one event a request however many
-        calls it covers, and clients get each token as soon as they would have anyway."""
-        for event in events:
-            if not event.finished:
-                self.held[event.request_id] = event
-
     def next_landing(self) -> Future[None]:
         """A future the next commit settles, as its own: for a step's events deferred to
         it (LLMEngine's commit interval)."""
         future: Future[None] = Future()
         self._next.append(future)
         return future
+
+    @property
+    def has_events(self) -> bool:
+        """Stream events wait for the next commit."""
+        return bool(self._events)
 
     @property
     def has_deferred(self) -> bool:
@@ -211,7 +206,6 @@ class Journal:
         self._consumed.clear()
         self._taken.clear()
         self._events.clear()
-        self.held.clear()
         return landing
 
     def settle(self) -> None:

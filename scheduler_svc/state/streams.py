@@ -100,14 +100,20 @@ class StreamTracker:
     """Remembers how much of each sequence was already sent, to cut the next delta."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, tuple[int, bool]] = {}  # seq_id -> (tokens sent, finish sent)
+        # seq_id -> (tokens sent, characters of text sent, finish sent)
+        self._sent: dict[int, tuple[int, int, bool]] = {}
         self._events: dict[str, int] = {}  # request_id -> events so far
 
     def restore(self, group: SequenceGroup, num_events: int) -> None:
         """After a restart: everything the group holds was already committed as events."""
         self._events[group.request_id] = num_events
         for seq in group.seqs:
-            self._sent[seq.seq_id] = (len(seq.output_token_ids), seq.status.is_finished)
+            sent = (len(seq.output_token_ids), len(seq.output_text), seq.status.is_finished)
+            self._sent[seq.seq_id] = sent
+
+    def has_events(self, request_id: str) -> bool:
+        """Whether the request made an event here (or before a restart)."""
+        return request_id in self._events
 
     def forget(self, group: SequenceGroup) -> int:
         """Stop tracking a group handed to another engine; returns its events so far."""
@@ -130,10 +136,9 @@ class StreamTracker:
             request_id, prompt_len, event, finished=True, error=error, error_code=code
         )
 
-    def delta(
-        self, group: SequenceGroup, text_deltas: dict[int, str], finished: bool
-    ) -> RequestDelta | None:
-        """The group's next event, or None when it has nothing new. Forgets a finished group."""
+    def delta(self, group: SequenceGroup, finished: bool) -> RequestDelta | None:
+        """The group's next event: its outputs' tokens and text since the last one, or None
+        when it has nothing new. Forgets a finished group."""
         out = RequestDelta(group.request_id, group.prompt_len, finished=finished)
         params = group.sampling_params
         if params.use_beam_search or params.width > params.n:
@@ -141,7 +146,7 @@ class StreamTracker:
                 out.outputs = [_whole(i, s) for i, s in enumerate(group.outputs())]
         else:
             for index, seq in enumerate(group.seqs):
-                seq_delta = self._seq_delta(index, seq, text_deltas.get(seq.seq_id, ""))
+                seq_delta = self._seq_delta(index, seq)
                 if seq_delta is not None:
                     out.outputs.append(seq_delta)
         if finished:
@@ -158,32 +163,17 @@ class StreamTracker:
             self._events[group.request_id] = out.event
         return out
 
-    def fold(self, into: RequestDelta, piece: RequestDelta) -> None:
-        """Extend the unpublished event ``into`` by ``piece``, the same request's next delta
-        (unfinished), which then makes no event of its own."""
-        by_index = {out.index: out for out in into.outputs}
-        for out in piece.outputs:
-            held = by_index.get(out.index)
-            if held is None:  # a copy: the piece is not extended with the event
-                copy = [list(out.token_ids), list(out.logprobs), list(out.top_logprobs)]
-                into.outputs.append(SeqDelta(out.index, out.text, *copy, out.finish_reason))
-                continue
-            held.text += out.text
-            held.token_ids += out.token_ids
-            held.logprobs += out.logprobs
-            held.top_logprobs += out.top_logprobs
-            held.finish_reason = out.finish_reason or held.finish_reason
-        self._events[into.request_id] = into.event
-
-    def _seq_delta(self, index: int, seq: Sequence, text: str) -> SeqDelta | None:
-        sent, finish_sent = self._sent.get(seq.seq_id, (0, False))
+    def _seq_delta(self, index: int, seq: Sequence) -> SeqDelta | None:
+        sent, chars, finish_sent = self._sent.get(seq.seq_id, (0, 0, False))
         ends_now = seq.status.is_finished and not finish_sent
         if sent == len(seq.output_token_ids) and not ends_now:
             return None
-        self._sent[seq.seq_id] = (len(seq.output_token_ids), seq.status.is_finished)
+        # A stop string may cut text that went out already: then nothing more goes.
+        text = seq.output_text
+        self._sent[seq.seq_id] = (len(seq.output_token_ids), len(text), seq.status.is_finished)
         return SeqDelta(
             index,
-            text,
+            text.since(chars),
             seq.output_token_ids[sent:],
             seq.output_logprobs[sent:],
             seq.output_top_logprobs[sent:],

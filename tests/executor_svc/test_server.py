@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pagedserve.grammar import Grammar
+from pagedserve.model_files import load_tokenizer
 from pagedserve.model_info import ModelInfo
 from pagedserve.rpc import GRPC_OPTIONS
 from pagedserve.rpc.convert import step_to_pb
@@ -21,8 +22,10 @@ from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
+from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
+from scheduler_svc.engine.lanes import Lane, NewRequest
 from scheduler_svc.state.journal import Journal
 from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit
 from scheduler_svc.state.streams import RequestDelta
@@ -663,20 +666,75 @@ def test_calls_that_only_continue_streams_share_a_commit(server: Server) -> None
         for d in outcome.deltas:
             published.setdefault(d.request_id, []).append((d.event, d.to_json()))
     assert [published[str(i)] for i in range(6)] == kept
-    # The metrics' tokens: those of every step, folded ones too, counted as it returns.
+    # The metrics' tokens: those of every event, counted as its step returns.
     assert [steps.counted[str(i)] for i in range(6)] == [len(t) for t, _ in shared]
 
 
+def test_a_request_ending_between_steps_first_gets_what_calls_sharing_a_commit_drew(
+    server: Server, smollm2_dir: Path
+) -> None:
+    """Calls that share a commit leave their groups' text and events to it. A request
+    aborted (through its lane, as the API does) or past its deadline between two steps
+    first gets them: its events, published and stored alike, carry every token it drew
+    and their text, then its end."""
+    info = server.client.init_cache()
+    tokenizer = load_tokenizer(smollm2_dir)
+    store = InMemoryStateStore()
+    cache = CacheConfig(
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+    )
+    sched = SchedulerConfig(max_model_len=info.max_model_len, commit_interval_s=60.0)
+    engine = LLMEngine(
+        server.client,
+        cache,
+        sched,
+        info.eos_token_id,
+        detokenizer=Detokenizer(tokenizer),
+        journal=Journal(store),
+    )
+    engine.recover(store.begin_epoch(server.next_epoch()))
+    lane = Lane("executor", engine)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, timeout=3600.0)
+    for request_id in ("aborted", "late"):
+        lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
+    outcomes = [lane.step()[0] for _ in range(8)]
+    assert [bool(o.deltas) for o in outcomes[2:]].count(False) >= 4  # calls sharing a commit
+    groups = {g.request_id: g for g in engine.scheduler.running}
+    lane.aborts.append("aborted")
+    outcomes.append(lane.step()[0])  # commits at once: the abort's event
+    outcomes += [lane.step()[0] for _ in range(6)]
+    assert [bool(o.deltas) for o in outcomes[-6:]].count(False) >= 4
+    late, deltas = engine.expire(groups["late"].arrival_time + 7200.0)
+    assert late == [groups["late"]]
+    outcomes.append(StepOutcome(deltas=deltas))
+    engine.flush()
+    for request_id, group in groups.items():
+        seq = group.seqs[0]
+        stored = store.read_events(request_id)
+        published = [(d.event, d.to_json()) for o in outcomes for d in o.deltas]
+        assert [e for e in published if f'"{request_id}"' in e[1]] == stored
+        tokens, text, _ = _stream(stored)
+        assert tokens == seq.output_token_ids and len(tokens) > 8
+        assert seq.read_offset >= len(tokens) - 3  # at most a character's bytes wait
+        assert text == tokenizer.decode(tokens[: seq.read_offset], skip_special_tokens=True)
+        last = RequestDelta.from_json(stored[-1][1])
+        assert last.finished
+    assert RequestDelta.from_json(store.read_events("late")[-1][1]).error_code == (
+        "deadline_exceeded"
+    )
+
+
 class _TokensCounted(list):
-    """Outcomes, their tokens counted by request as each is added (as observers do, before
-    the next step extends an event it holds)."""
+    """Outcomes, their tokens counted by request as each is added (as observers do)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counted: dict[str, int] = {}
 
     def append(self, outcome: StepOutcome) -> None:
-        for d in outcome.pieces:
+        for d in outcome.deltas:
             tokens = sum(len(out.token_ids) for out in d.outputs)
             self.counted[d.request_id] = self.counted.get(d.request_id, 0) + tokens
         super().append(outcome)

@@ -140,7 +140,7 @@ def test_an_abort_that_never_reached_outcome_finished_still_logs_one_line():
     with capture_logs() as logs:
         metrics.after_step("ex", engine, engine.step())
         group = engine.abort("gone")
-        delta = engine.streams.delta(group, {}, finished=True)
+        delta = engine.streams.delta(group, finished=True)
         metrics.after_step("ex", engine, StepOutcome(deltas=[delta]))
     (line,) = logs
     assert line["event"] == "request finished" and line["request_id"] == "gone"
