@@ -98,6 +98,7 @@ class OutputProcessor:
 
         Mutates as ``process``; returns the groups that finished.
         """
+        ended = False
         for scheduled in out.scheduled:
             group = scheduled.group
             if not self._count_computed(group):
@@ -111,18 +112,21 @@ class OutputProcessor:
                     if i > 0:  # the token drawn before went in at the next position
                         seq.num_computed_tokens = seq.get_len()
                     seq.append_token(token_id, logprob, top)
-                    self._check_stop(seq, group)
-                    if seq.status.is_finished:
+                    if self._check_stop(seq, group):
+                        ended = True
                         break
-        return self.scheduler.free_finished()
+        # Only sequences ended here leave: every other end left the queue where it happened.
+        return self.scheduler.free_finished() if ended else []
 
     def _count_computed(self, group: SequenceGroup) -> bool:
         """Count the step's tokens of ``group`` as computed; False for a prompt chunk,
         which drew nothing."""
-        running = group.get_seqs(SequenceStatus.RUNNING)
-        for seq in running:
-            seq.num_computed_tokens = min(self.block_manager.num_slots(seq), seq.get_len())
-        return all(seq.num_computed_tokens == seq.get_len() for seq in running)
+        computed = True
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            length = seq.get_len()
+            seq.num_computed_tokens = min(self.block_manager.num_slots(seq), length)
+            computed &= seq.num_computed_tokens == length
+        return computed
 
     def _process_samples(self, group: SequenceGroup, samples: dict[int, SeqOutput]) -> None:
         for parent in group.get_seqs(SequenceStatus.RUNNING):
@@ -211,15 +215,19 @@ class OutputProcessor:
         self.block_manager.free(seq)
         group.seqs.remove(seq)
 
-    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> bool:
+        """End ``seq`` at a stop token or its length limit; whether it ended."""
         params = group.sampling_params
         if self._is_stop_token(seq.output_token_ids[-1], params.ignore_eos, params.stop_token_ids):
             self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif (
+            return True
+        if (
             len(seq.output_token_ids) >= params.max_tokens
             or seq.get_len() >= self.scheduler.config.max_model_len
         ):
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            return True
+        return False
 
     def _is_stop_token(
         self, token_id: int, ignore_eos: bool, stop_token_ids: tuple[int, ...]

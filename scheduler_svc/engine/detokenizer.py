@@ -24,10 +24,10 @@ class Detokenizer:
         output ids: ..... [prefix_offset ...... read_offset | new tokens ]
                            already emitted, kept as context   text to emit
 
-    One new token, the usual case, goes through the sequence's ``DecodeStream`` of
-    Hugging Face tokenizers, which keeps that window in Rust: the same text for half the
-    work (two decodes a token either way). Its state is not persisted: it is rebuilt from
-    the offsets.
+    New tokens go through the sequence's ``DecodeStream`` of Hugging Face tokenizers,
+    which keeps that window and its text in Rust: the same text for half the work, one
+    call for all of them (calls that share a commit are detokenized together). Its state
+    is not persisted: it is rebuilt from the offsets.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -46,26 +46,30 @@ class Detokenizer:
         character, one at a time, so that the complete characters before it go out now.
         """
         end = len(seq.output_token_ids)
-        if end - seq.read_offset == 1 and self._backend is not None:
-            return self._step(seq)
+        if self._backend is not None and end > seq.read_offset:
+            delta = self._step(seq)
+            if delta is not None:
+                return delta
         seq.decoder = None  # its window is behind the offsets now
         delta = self._read_to(seq, end)
         if delta or end - seq.read_offset <= 1:
             return delta
         return "".join(self._read_to(seq, stop) for stop in range(seq.read_offset + 1, end + 1))
 
-    def _step(self, seq: Sequence) -> str:
+    def _step(self, seq: Sequence) -> str | None:
+        """The new tokens through the stream; None, changing nothing, when their text
+        ends inside a character (the tokens before it are then read one at a time)."""
         ids = seq.output_token_ids
         if seq.decoder is None:
             window = ids[seq.prefix_offset : seq.read_offset]
             seq.decoder = DecodeStream(ids=window, skip_special_tokens=True)
+        new = ids[seq.read_offset :]
         try:
-            delta = seq.decoder.step(self._backend, ids[-1])
+            delta = seq.decoder.step(self._backend, new if len(new) > 1 else new[0])
         except Exception:  # a window whose text does not begin with its prefix's
-            seq.decoder = None
-            return self._read_to(seq, len(ids))
+            return None
         if delta is None:
-            return ""
+            return None
         seq.output_text.append(delta)
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(ids)

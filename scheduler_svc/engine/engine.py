@@ -724,6 +724,7 @@ class LLMEngine:
         stats.num_prompt_chunks += sum(
             self.scheduler.block_manager.num_slots(seq) < seq.get_len()
             for scheduled in out.scheduled
+            if scheduled.is_prefill  # a decode's slots reach its length
             for seq in scheduled.group.get_seqs(SequenceStatus.RUNNING)
         )
         for _, mode in out.preempted:

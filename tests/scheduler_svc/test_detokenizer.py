@@ -56,9 +56,9 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode() -> N
 
 
 def test_the_streaming_decoder_is_rebuilt_from_the_offsets(smollm2_dir: Path) -> None:
-    """One token at a time goes through the sequence's DecodeStream, which is not persisted:
-    a restored sequence (no decoder), a fork, and a run of several tokens between single
-    ones each go on from the offsets alone, to the same text."""
+    """New tokens, one or several at a time, go through the sequence's DecodeStream, which
+    is not persisted: a restored sequence (no decoder) and a fork go on from the offsets
+    alone, to the same text."""
     tokenizer = load_tokenizer(smollm2_dir)
     ids = tokenizer.encode(TEXT)
     detokenizer, seq = Detokenizer(tokenizer), Sequence(0, [1])
@@ -70,15 +70,13 @@ def test_the_streaming_decoder_is_rebuilt_from_the_offsets(smollm2_dir: Path) ->
             seq.append_token(token_id, 0.0)
         position += chunk
         detokenizer.update(seq)
-        if chunk > 1:
-            assert seq.decoder is None  # decoded by windows: the stream is behind the offsets
         streamed += seq.decoder is not None
         if position % 5 == 0:
             seq = restore(seq)
         if position % 7 == 0:
             forks.append((seq.fork(len(forks) + 1), position))
     assert seq.output_text == TEXT
-    assert streamed > len(ids) // 4
+    assert streamed > len(ids) // 3
     for fork, at in forks:
         for token_id in ids[at:]:
             fork.append_token(token_id, 0.0)
