@@ -90,6 +90,10 @@ class _Call:
     out: SchedulerOutput
     step: ExecuteStep
     wait: Callable[[], StepResult]
+    in_a_row: bool = field(init=False)  # decodes several steps in a row (end_steps)
+
+    def __post_init__(self) -> None:
+        self.in_a_row = any(s.num_steps > 1 for s in self.step.seqs)
 
 
 class StepExecutor(Protocol):
@@ -445,7 +449,7 @@ class LLMEngine:
     def _newest_in_a_row(self, call: _Call | None = None) -> int | None:
         """The id of the newest call in flight that decodes several steps in a row."""
         for pending in (self._sent_early, self._ahead, call):
-            if pending is not None and any(s.num_steps > 1 for s in pending.step.seqs):
+            if pending is not None and pending.in_a_row:
                 return pending.step.step_id
         return None
 

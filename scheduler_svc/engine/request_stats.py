@@ -83,9 +83,11 @@ class RequestTracker:
         with self._lock:
             done = self._finished
             for group in outcome.groups:
+                live = self._live.get(group.request_id)
+                if live is not None and live.group is group and live.first_token is not None:
+                    continue  # the common case, every step of a running request
                 if group.request_id in done:
                     continue
-                live = self._live.get(group.request_id)
                 if live is None or live.group is not group:
                     live = self._get(group.request_id, group, now)
                 if live.first_token is None and any(s.output_token_ids for s in group.seqs):
