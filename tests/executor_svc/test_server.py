@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
+from scheduler_svc.core.sequence import SequenceGroup
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
@@ -677,8 +679,52 @@ def test_a_request_ending_between_steps_first_gets_what_calls_sharing_a_commit_d
     aborted (through its lane, as the API does) or past its deadline between two steps
     first gets them: its events, published and stored alike, carry every token it drew
     and their text, then its end."""
-    info = server.client.init_cache()
     tokenizer = load_tokenizer(smollm2_dir)
+    lane, store = _lane_sharing_commits(server, tokenizer, ("aborted", "late"))
+    engine = lane.engine
+    outcomes = _steps_sharing_a_commit(lane)
+    groups = {g.request_id: g for g in engine.scheduler.running}
+    lane.aborts.append("aborted")
+    outcomes.append(lane.step()[0])  # commits at once: the abort's event
+    outcomes += _steps_sharing_a_commit(lane)
+    late, deltas = engine.expire(groups["late"].arrival_time + 7200.0)
+    assert late == [groups["late"]]
+    outcomes.append(StepOutcome(deltas=deltas))
+    engine.flush()
+    for request_id, group in groups.items():
+        events = _told_alike(store, outcomes, request_id, group, tokenizer)
+        assert RequestDelta.from_json(events[-1][1]).finished
+    assert RequestDelta.from_json(store.read_events("late")[-1][1]).error_code == (
+        "deadline_exceeded"
+    )
+
+
+def test_groups_leaving_a_lane_first_get_what_calls_sharing_a_commit_drew(
+    server: Server, smollm2_dir: Path
+) -> None:
+    """A lane that retires (its executor gone) after calls that shared a commit makes
+    their events before its groups move: published and stored alike, every token drawn
+    here and its text, and each moving group counts them."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    lane, store = _lane_sharing_commits(server, tokenizer, ("a", "b"))
+    outcomes = _steps_sharing_a_commit(lane)
+    groups = {g.request_id: g.seqs[0].output_token_ids[:] for g in lane.engine.scheduler.running}
+    lane.retiring = True
+    outcome, moved = lane.step()
+    outcomes.append(outcome)
+    assert sorted(m.group.request_id for m in moved) == sorted(groups)
+    for move in moved:
+        events = _told_alike(store, outcomes, move.group.request_id, move.group, tokenizer)
+        assert move.num_events == len(events)
+        assert move.group.seqs[0].output_token_ids == groups[move.group.request_id]
+
+
+def _lane_sharing_commits(
+    server: Server, tokenizer: Any, request_ids: tuple[str, ...]
+) -> tuple[Lane, InMemoryStateStore]:
+    """A lane whose calls share commits for a minute, ``request_ids`` queued to it (greedy,
+    200 tokens each, a deadline an hour away), and its store."""
+    info = server.client.init_cache()
     store = InMemoryStateStore()
     cache = CacheConfig(
         block_size=info.block_size,
@@ -697,33 +743,36 @@ def test_a_request_ending_between_steps_first_gets_what_calls_sharing_a_commit_d
     engine.recover(store.begin_epoch(server.next_epoch()))
     lane = Lane("executor", engine)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, timeout=3600.0)
-    for request_id in ("aborted", "late"):
+    for request_id in request_ids:
         lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
+    return lane, store
+
+
+def _steps_sharing_a_commit(lane: Lane) -> list[StepOutcome]:
+    """Eight steps of ``lane``, most of whose calls make no event (they share a commit)."""
     outcomes = [lane.step()[0] for _ in range(8)]
-    assert [bool(o.deltas) for o in outcomes[2:]].count(False) >= 4  # calls sharing a commit
-    groups = {g.request_id: g for g in engine.scheduler.running}
-    lane.aborts.append("aborted")
-    outcomes.append(lane.step()[0])  # commits at once: the abort's event
-    outcomes += [lane.step()[0] for _ in range(6)]
-    assert [bool(o.deltas) for o in outcomes[-6:]].count(False) >= 4
-    late, deltas = engine.expire(groups["late"].arrival_time + 7200.0)
-    assert late == [groups["late"]]
-    outcomes.append(StepOutcome(deltas=deltas))
-    engine.flush()
-    for request_id, group in groups.items():
-        seq = group.seqs[0]
-        stored = store.read_events(request_id)
-        published = [(d.event, d.to_json()) for o in outcomes for d in o.deltas]
-        assert [e for e in published if f'"{request_id}"' in e[1]] == stored
-        tokens, text, _ = _stream(stored)
-        assert tokens == seq.output_token_ids and len(tokens) > 8
-        assert seq.read_offset >= len(tokens) - 3  # at most a character's bytes wait
-        assert text == tokenizer.decode(tokens[: seq.read_offset], skip_special_tokens=True)
-        last = RequestDelta.from_json(stored[-1][1])
-        assert last.finished
-    assert RequestDelta.from_json(store.read_events("late")[-1][1]).error_code == (
-        "deadline_exceeded"
-    )
+    assert [bool(o.deltas) for o in outcomes[2:]].count(False) >= 4
+    return outcomes
+
+
+def _told_alike(
+    store: InMemoryStateStore,
+    outcomes: list[StepOutcome],
+    request_id: str,
+    group: SequenceGroup,
+    tokenizer: Any,
+) -> list[tuple[int, str]]:
+    """The request's stored events, checked to be those published and to carry every
+    token its sequence holds, with their text. Returns them."""
+    seq = group.seqs[0]
+    stored = store.read_events(request_id)
+    published = [(d.event, d.to_json()) for o in outcomes for d in o.deltas]
+    assert [e for e in published if f'"{request_id}"' in e[1]] == stored
+    tokens, text, _ = _stream(stored)
+    assert tokens == seq.output_token_ids and len(tokens) > 8
+    assert seq.read_offset >= len(tokens) - 3  # at most a character's bytes wait
+    assert text == tokenizer.decode(tokens[: seq.read_offset], skip_special_tokens=True)
+    return stored
 
 
 class _TokensCounted(list):
