@@ -368,8 +368,8 @@ class AsyncEngine:
                     await lane.wake.wait()
                 lane.wake.clear()
                 outcome, moved = await asyncio.to_thread(lane.step)
-                if not lane.has_work():
-                    await asyncio.to_thread(lane.engine.flush)
+                if not lane.has_work():  # what it commits has landed when it returns
+                    outcome.deltas += await asyncio.to_thread(lane.engine.flush)
                 # Counted before its clients see it; the lane's thread is between steps here.
                 if self.observer is not None:
                     self.observer.after_step(lane.name, lane.engine, outcome)

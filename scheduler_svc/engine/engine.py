@@ -572,7 +572,7 @@ class LLMEngine:
         """Commit what the last step left (the engine is going idle, or groups moved in).
         The journal's step id is the last call applied: a call sent ahead is not in it.
         Returns the events made for the calls that had shared this commit (``catch_up``),
-        for the caller to publish: none when the engine is idle or just recovered."""
+        for the caller to publish (none after a recovery)."""
         told = self.catch_up()
         if self.journal is not None and self.journal.has_deferred:
             newest = self._step_ids.value if self._ahead is None else self._ahead.step.step_id
