@@ -57,8 +57,9 @@ class Detokenizer:
         return "".join(self._read_to(seq, stop) for stop in range(seq.read_offset + 1, end + 1))
 
     def _step(self, seq: Sequence) -> str | None:
-        """The new tokens through the stream; None, changing nothing, when their text
-        ends inside a character (the tokens before it are then read one at a time)."""
+        """The new tokens through the stream; None, the offsets and text unchanged, when
+        their text ends inside a character or does not extend the window's (the caller then
+        drops the stream and reads them by windows)."""
         ids = seq.output_token_ids
         if seq.decoder is None:
             window = ids[seq.prefix_offset : seq.read_offset]

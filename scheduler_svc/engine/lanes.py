@@ -102,8 +102,9 @@ class Lane:
                 engine.attach(move.group, move.num_events, move.source)
             except Exception as e:
                 ended.append(self._drop(move.group.request_id, move.group.prompt_len, e, move))
+        flushed: list[RequestDelta] = []  # events the flush made, committed with it
         if arriving:
-            ended += engine.flush()  # the move is durable here before the old lane lets go
+            flushed = engine.flush()  # the move is durable here before the old lane lets go
             with self.lock:
                 self.landing = []
         aborted: list[SequenceGroup] = []
@@ -128,7 +129,7 @@ class Lane:
             told, groups = engine.evacuate()
             outcome.deltas += told
             moved = [Move(group, events, source) for group, events in groups]
-        outcome.deltas[:0] = [d for d in ended if d is not None]
+        outcome.deltas[:0] = flushed + [d for d in ended if d is not None]
         outcome.finished[:0] = aborted
         return outcome, moved
 

@@ -23,11 +23,11 @@ from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
-from scheduler_svc.core.sequence import SequenceGroup
+from scheduler_svc.core.sequence import Sequence, SequenceGroup
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
-from scheduler_svc.engine.lanes import Lane, NewRequest
+from scheduler_svc.engine.lanes import Lane, Move, NewRequest
 from scheduler_svc.state.journal import Journal
 from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit
 from scheduler_svc.state.streams import RequestDelta
@@ -690,7 +690,7 @@ def test_a_request_ending_between_steps_first_gets_what_calls_sharing_a_commit_d
     late, deltas = engine.expire(groups["late"].arrival_time + 7200.0)
     assert late == [groups["late"]]
     outcomes.append(StepOutcome(deltas=deltas))
-    engine.flush()
+    outcomes.append(StepOutcome(deltas=engine.flush()))
     for request_id, group in groups.items():
         events = _told_alike(store, outcomes, request_id, group, tokenizer)
         assert RequestDelta.from_json(events[-1][1]).finished
@@ -717,6 +717,26 @@ def test_groups_leaving_a_lane_first_get_what_calls_sharing_a_commit_drew(
         events = _told_alike(store, outcomes, move.group.request_id, move.group, tokenizer)
         assert move.num_events == len(events)
         assert move.group.seqs[0].output_token_ids == groups[move.group.request_id]
+
+
+def test_a_group_moving_in_after_calls_sharing_a_commit_leaves_each_event_stored_once(
+    server: Server, smollm2_dir: Path
+) -> None:
+    """A group arriving from another lane is committed at once (flush), which first makes
+    the events the lane's calls that shared a commit owed: published and stored once
+    each, every token and its text, and the newcomer runs on."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    lane, store = _lane_sharing_commits(server, tokenizer, ("a", "b"))
+    outcomes = _steps_sharing_a_commit(lane)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    newcomer = SequenceGroup("moved", [Sequence(10_000, [8, 9, 10])], time.time(), params)
+    lane.arriving.append(Move(newcomer, 0, "elsewhere"))
+    outcomes += [lane.step()[0] for _ in range(4)]
+    outcomes.append(StepOutcome(deltas=lane.engine.flush()))
+    assert newcomer.seqs[0].output_token_ids
+    for group in lane.engine.scheduler.running:
+        if group.request_id != "moved":
+            _told_alike(store, outcomes, group.request_id, group, tokenizer)
 
 
 def _lane_sharing_commits(
