@@ -44,12 +44,14 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import httpx
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import VOCAB_SIZE, print_table, progress, pyplot, write_json
 from bench.launch import free_port, healthy, process, redis_url
 from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable
+from tests.redis_server import delete_namespace
 
 TARGETS = {"one_step": 0.90, "steps_in_a_row": 0.95}  # busy fraction at 5 ms, 256 seqs
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -245,17 +247,23 @@ def scheduler(
 ) -> Iterator[tuple[str, int]]:
     """`pagedserve scheduler` journaling to ``store``, decode steps in a row from the first
     step, every sequence admitted (no pacing, no queue-wait bound: the batch sizes are the
-    experiment's, and each level arrives as one burst); yields its URL and process id."""
+    experiment's, and each level arrives as one burst); yields its URL and process id.
+    The requests it leaves running are deleted from the store with it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    namespace = f"control-plane-{port}"
     cmd = [sys.executable, "-m", "pagedserve.cli", "scheduler", f"--executor={executor}"]
-    cmd += [f"--state-store={store}", f"--namespace=control-plane-{port}", f"--port={port}"]
+    cmd += [f"--state-store={store}", f"--namespace={namespace}", f"--port={port}"]
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
     cmd += ["--decode-steps-quiet=0", "--max-token-slowdown=0", "--max-queue-wait=0"]
     cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     cmd.append(f"--commit-interval={args.commit_interval}")
-    with process(cmd, "scheduler", lambda: healthy(url)) as proc:
-        yield url, proc.pid
+    try:
+        with process(cmd, "scheduler", lambda: healthy(url)) as proc:
+            yield url, proc.pid
+    finally:
+        with redis.Redis.from_url(store) as client:
+            delete_namespace(client, namespace)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

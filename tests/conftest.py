@@ -22,7 +22,7 @@ import torch
 from executor_svc.vml import settle_vml_kernels
 from scheduler_svc.state.redis_store import RedisStateStore
 from scheduler_svc.state.state_store import InMemoryStateStore, StateStore
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, delete_namespace
 
 # The suite checks the CPU executor, whose results it knows to the bit (fused C++ layers,
 # fp32 against transformers on CPU); a GPU stays hidden from it and from every process it
@@ -142,12 +142,6 @@ def namespace(redis_client: redis.Redis) -> Iterator[str]:
     ns = f"test-{uuid.uuid4().hex}"
     yield ns
     delete_namespace(redis_client, ns)
-
-
-def delete_namespace(client: redis.Redis, namespace: str) -> None:
-    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])

@@ -128,3 +128,10 @@ class RedisServer:
                 os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
             self.proc.wait()
+
+
+def delete_namespace(client: redis.Redis, namespace: str) -> None:
+    """Delete every key of ``namespace`` (a run's journal, requests and events)."""
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)

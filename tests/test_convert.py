@@ -57,6 +57,55 @@ def test_every_list_of_a_sequence_arrives_and_a_follower_sends_its_new_entries()
     assert back.seqs[3].block_table == [] and back.seqs[3].follows
 
 
+def test_followers_that_end_a_step_go_in_columns_and_arrive_in_order() -> None:
+    """Those of a call sent ahead, one column per field; a follower before another
+    sequence, or one with token lists, goes as a message of its own."""
+    greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    early = SeqStep(1, [], 0, [4], greedy, follows=True)
+    prefill = SeqStep(2, [5, 6, 7], 0, [3], greedy)
+    history = SeqStep(3, [], 0, [8], penalized, output_token_ids=[2, 9], follows=True)
+    ahead = [
+        SeqStep(10, [], 0, [20, 21, 22], greedy, num_steps=2, follows=True, table_start=2),
+        SeqStep(11, [], 0, [], seeded, sample_index=1, follows=True),
+        SeqStep(12, [], 0, [23, 24], greedy, follows=True),
+    ]
+    message = step_to_pb(ExecuteStep(4, 1, [early, prefill, history, *ahead], follows_step_id=3))
+    assert [s.seq_id for s in message.seqs] == [1, 2, 3]
+    columns = message.followers
+    assert list(columns.seq_ids) == [10, 11, 12]
+    assert list(columns.sampling_params_index) == [0, 2, 0]
+    assert list(columns.table_lengths) == [1, 0, 2]
+    assert list(columns.table_entries) == [22, 23, 24]
+    back = step_from_pb(message)
+    assert back.seqs[:3] == [early, prefill, history]
+    # The entries before table_start stay unsent, as in a message of its own.
+    assert back.seqs[3:] == [
+        SeqStep(10, [], 0, [22], greedy, num_steps=2, follows=True, table_start=2),
+        *ahead[1:],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "why"),
+    [
+        ("sample_index", [0, 0], "followers.sample_index: 2 entries, 1 seq_ids"),
+        ("table_entries", [4, 5, 1], "followers.table_entries: 3, table_lengths 2"),
+        ("sampling_params_index", [1], r"followers.sampling_params_index\[0\]: 1 of 1"),
+    ],
+)
+def test_columns_of_followers_that_do_not_add_up_are_refused(
+    column: str, value: list[int], why: str
+) -> None:
+    follower = SeqStep(1, [], 0, [4, 5], SamplingParams(), follows=True)
+    message = step_to_pb(ExecuteStep(2, 1, [follower], follows_step_id=1))
+    entries = getattr(message.followers, column)
+    del entries[:]
+    entries.extend(value)
+    with pytest.raises(ValueError, match=why):
+        step_from_pb(message)
+
+
 def test_a_sequence_naming_no_parameters_is_refused() -> None:
     message = step_to_pb(_step(1, [SamplingParams()]))
     message.seqs[0].sampling_params_index = 1

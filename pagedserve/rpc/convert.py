@@ -5,7 +5,7 @@ The server and the client both use these, so pb objects never travel past either
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 
 from pagedserve.grammar import Grammar
@@ -84,7 +84,9 @@ ParamsCache = dict[int, tuple[SamplingParams, pb.SamplingParameters, bytes]]
 def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.ExecuteRequest:
     """Sequences are added in place, and equal sampling parameters go once into the
     request's list for all the sequences that have them (each request of hundreds has its
-    own SamplingParams object, most of them equal), each object converted once.
+    own SamplingParams object, most of them equal), each object converted once. The
+    followers that end the step go in columns (``FollowerColumns``) when they carry no
+    token lists, as those of a call sent ahead do.
 
     ``known`` carries conversions from one step to the next (a request keeps its
     SamplingParams object for life) and is left holding this step's: each entry keeps its
@@ -101,22 +103,28 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
     last = known if known is not None else {}
     params: ParamsCache = {}
     indices: dict[bytes, int] = {}  # a message's bytes -> its place in the request's list
-    add = request.seqs.add
-    for s in step.seqs:
-        key = id(s.sampling_params)
-        entry = params.get(key) or last.get(key)
+
+    def index_of(p: SamplingParams) -> int:
+        entry = params.get(id(p)) or last.get(id(p))
         if entry is None:
-            message = params_to_pb(s.sampling_params)
-            entry = (s.sampling_params, message, message.SerializeToString(deterministic=True))
-        params[key] = entry
+            message = params_to_pb(p)
+            entry = (p, message, message.SerializeToString(deterministic=True))
+        params[id(p)] = entry
         index = indices.get(entry[2])
         if index is None:
             index = indices[entry[2]] = len(indices)
             request.sampling_params.append(entry[1])
+        return index
+
+    split = len(step.seqs)
+    while split and _in_columns(step.seqs[split - 1]):
+        split -= 1
+    add = request.seqs.add
+    for s in step.seqs[:split]:
         seq = add(
             seq_id=s.seq_id,
             num_computed_tokens=s.num_computed_tokens,
-            sampling_params_index=index,
+            sampling_params_index=index_of(s.sampling_params),
             num_samples=s.num_samples,
             sample_index=s.sample_index,
             num_steps=s.num_steps,
@@ -134,18 +142,44 @@ def step_to_pb(step: ExecuteStep, known: ParamsCache | None = None) -> pb.Execut
             seq.prompt_token_ids.extend(s.prompt_token_ids)
         if s.output_token_ids:
             seq.output_token_ids.extend(s.output_token_ids)
+    if split < len(step.seqs):
+        _followers_to_pb(step.seqs[split:], index_of, request.followers)
     if known is not None:
         known.clear()
         known.update(params)
     return request
 
 
+def _in_columns(s: SeqStep) -> bool:
+    """Whether ``FollowerColumns`` says all that the sequence's step holds."""
+    return (
+        s.follows
+        and s.num_samples == 1
+        and not (s.new_token_ids or s.num_computed_tokens)
+        and not (s.prompt_token_ids or s.output_token_ids)
+    )
+
+
+def _followers_to_pb(
+    seqs: list[SeqStep], index_of: Callable[[SamplingParams], int], m: pb.FollowerColumns
+) -> None:
+    tables = [s.block_table[s.table_start :] for s in seqs]
+    m.seq_ids.extend([s.seq_id for s in seqs])
+    m.sampling_params_index.extend([index_of(s.sampling_params) for s in seqs])
+    m.sample_index.extend([s.sample_index for s in seqs])
+    m.num_steps.extend([s.num_steps for s in seqs])
+    m.table_start.extend([s.table_start for s in seqs])
+    m.table_lengths.extend([len(table) for table in tables])
+    m.table_entries.extend([entry for table in tables for entry in table])
+
+
 def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
     """Each of the request's parameters is read and validated once. A sequence that
     follows keeps the table entries sent, from ``table_start`` on, until the executor
-    fills in the rest (SeqStep).
+    fills in the rest (SeqStep); those sent in columns come after the others.
 
-    Raises ValueError when sampling parameters are invalid or a sequence names none."""
+    Raises ValueError when sampling parameters are invalid, a sequence names none, or
+    the followers' columns do not add up."""
     params = [params_from_pb(p) for p in m.sampling_params]
     seqs = []
     for index, s in enumerate(m.seqs):
@@ -178,6 +212,8 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
                 table_start=s.table_start,
             )
         )
+    if m.HasField("followers"):
+        seqs += _followers_from_pb(m.followers, params)
     return ExecuteStep(
         step_id=m.step_id,
         epoch=m.epoch,
@@ -187,6 +223,39 @@ def step_from_pb(m: pb.ExecuteRequest) -> ExecuteStep:
         blocks_to_copy=pairs_from_pb(m.blocks_to_copy),
         follows_step_id=m.follows_step_id if m.HasField("follows_step_id") else None,
     )
+
+
+def _followers_from_pb(m: pb.FollowerColumns, params: list[SamplingParams]) -> list[SeqStep]:
+    seq_ids = list(m.seq_ids)
+    columns = {
+        name: list(getattr(m, name))
+        for name in ("sampling_params_index", "sample_index", "num_steps", "table_start")
+    }
+    lengths, entries = list(m.table_lengths), list(m.table_entries)
+    for name, column in [*columns.items(), ("table_lengths", lengths)]:
+        if len(column) != len(seq_ids):
+            raise ValueError(f"followers.{name}: {len(column)} entries, {len(seq_ids)} seq_ids")
+    if sum(lengths) != len(entries):
+        raise ValueError(f"followers.table_entries: {len(entries)}, table_lengths {sum(lengths)}")
+    for i, index in enumerate(columns["sampling_params_index"]):
+        if index >= len(params):
+            raise ValueError(
+                f"followers.sampling_params_index[{i}]: {index} of {len(params)} sampling_params"
+            )
+    seqs, start = [], 0
+    for seq_id, index, sample, num_steps, kept, length in zip(
+        seq_ids, *columns.values(), lengths, strict=True
+    ):
+        end = start + length
+        # Every field in order, none by keyword: for hundreds of sequences, keywords and
+        # default factories cost twice the construction.
+        table = entries[start:end]
+        steps = max(num_steps, 1)
+        seqs.append(
+            SeqStep(seq_id, [], 0, table, params[index], 1, sample, [], [], steps, True, kept)
+        )
+        start = end
+    return seqs
 
 
 def _entries_to_pb(top: dict[int, float]) -> list[pb.TokenLogprob]:

@@ -742,21 +742,22 @@ class LLMEngine:
     ) -> ExecuteStep:
         """The step ``out`` decides. Sent ahead of the call ``follows_step_id`` (``drawn``:
         its steps of the sequences it draws one sample for), a decode of a sequence it
-        draws for follows it: the executor fills in the token and position."""
-        seqs = []
+        draws for follows it: the executor fills in the token and position. Followers
+        come last, where the wire carries them in columns (step_to_pb)."""
+        seqs, followers = [], []
         for scheduled in out.scheduled:
             group = scheduled.group
             for index, seq in enumerate(group.seqs):
                 if seq.status != SequenceStatus.RUNNING:
                     continue
                 if drawn is not None and not scheduled.is_prefill:
-                    seqs.append(self._follower(group, index, seq, drawn[seq.seq_id]))
+                    followers.append(self._follower(group, index, seq, drawn[seq.seq_id]))
                 else:
                     seqs.append(self._seq_step(group, index, seq))
         return ExecuteStep(
             step_id=next(self._step_ids),
             epoch=self.journal.epoch if self.journal is not None else self.epoch,
-            seqs=seqs,
+            seqs=seqs + followers,
             blocks_to_swap_out=out.blocks_to_swap_out,
             blocks_to_swap_in=out.blocks_to_swap_in,
             blocks_to_copy=out.blocks_to_copy,

@@ -21,7 +21,7 @@ from scheduler_svc.state.state_store import (
     StateStore,
     StepCommit,
 )
-from tests.conftest import delete_namespace
+from tests.redis_server import delete_namespace
 
 OpenStore = Callable[[str], RedisStateStore]
 

@@ -117,7 +117,7 @@ class SequenceStep(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling_params_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., follows: _Optional[bool] = ..., table_start: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "follows_step_id", "sampling_params")
+    __slots__ = ("step_id", "epoch", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "follows_step_id", "sampling_params", "followers")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ExecuteRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     seqs: _containers.RepeatedCompositeFieldContainer[SequenceStep]
@@ -134,7 +135,26 @@ class ExecuteRequest(_message.Message):
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
     follows_step_id: int
     sampling_params: _containers.RepeatedCompositeFieldContainer[SamplingParameters]
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., follows_step_id: _Optional[int] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParameters, _Mapping]]] = ...) -> None: ...
+    followers: FollowerColumns
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., follows_step_id: _Optional[int] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParameters, _Mapping]]] = ..., followers: _Optional[_Union[FollowerColumns, _Mapping]] = ...) -> None: ...
+
+class FollowerColumns(_message.Message):
+    __slots__ = ("seq_ids", "sampling_params_index", "sample_index", "num_steps", "table_start", "table_lengths", "table_entries")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_START_FIELD_NUMBER: _ClassVar[int]
+    TABLE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params_index: _containers.RepeatedScalarFieldContainer[int]
+    sample_index: _containers.RepeatedScalarFieldContainer[int]
+    num_steps: _containers.RepeatedScalarFieldContainer[int]
+    table_start: _containers.RepeatedScalarFieldContainer[int]
+    table_lengths: _containers.RepeatedScalarFieldContainer[int]
+    table_entries: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., sampling_params_index: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_steps: _Optional[_Iterable[int]] = ..., table_start: _Optional[_Iterable[int]] = ..., table_lengths: _Optional[_Iterable[int]] = ..., table_entries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
