@@ -21,6 +21,10 @@ from pagedserve.step import (
     StepResult,
 )
 
+# The executor API's revision (InitCacheResponse.protocol), raised with each change that a
+# side of another revision would misread. 1: a call sent ahead's sequences in columns.
+EXECUTOR_PROTOCOL = 1
+
 
 def pairs_to_pb(pairs: BlockPairs) -> list[pb.BlockPair]:
     return [pb.BlockPair(src=src, dst=dst) for src, dst in pairs]
@@ -338,6 +342,7 @@ def _drawn_from_pb(m: pb.DrawnColumns) -> list[SeqOutput]:
 
 def model_info_to_pb(info: ModelInfo) -> pb.InitCacheResponse:
     return pb.InitCacheResponse(
+        protocol=EXECUTOR_PROTOCOL,
         model=info.model,
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.model_info import ExecutorStats, ModelInfo
 from pagedserve.rpc import GRPC_OPTIONS
 from pagedserve.rpc.convert import (
+    EXECUTOR_PROTOCOL,
     ParamsCache,
     model_info_from_pb,
     pairs_to_pb,
@@ -44,6 +45,11 @@ class ExecutorUnavailable(ExecutorError):
 class StepRefused(ExecutorError):
     """Refused before anything was applied (INVALID_ARGUMENT, FAILED_PRECONDITION): a bug
     or a stale scheduler; resending the same request will not help."""
+
+
+class ExecutorIncompatible(ValueError):
+    """The executor speaks another revision of the executor API (another pagedserve
+    version): steps would be misread, so it is not used."""
 
 
 _ERRORS: dict[grpc.StatusCode, type[ExecutorError]] = {
@@ -91,8 +97,14 @@ class ExecutorClient:
             raise _error(e) from None
 
     def init_cache(self) -> ModelInfo:
-        """Allocate the executor's pools (once per executor process) and describe the model."""
+        """Allocate the executor's pools (once per executor process) and describe the model.
+        Raises ExecutorIncompatible for an executor of another API revision."""
         response = self._call(self._stub.InitCache, pb.InitCacheRequest(), self.init_timeout)
+        if response.protocol != EXECUTOR_PROTOCOL:
+            raise ExecutorIncompatible(
+                f"executor {self.address} speaks revision {response.protocol} of the executor "
+                f"API, this scheduler {EXECUTOR_PROTOCOL}: run one pagedserve version on both"
+            )
         return model_info_from_pb(response)
 
     def execute(self, step: ExecuteStep) -> StepResult:

@@ -17,7 +17,7 @@ from pagedserve.grammar import Grammar
 from pagedserve.model_files import load_tokenizer
 from pagedserve.model_info import ModelInfo
 from pagedserve.rpc import GRPC_OPTIONS
-from pagedserve.rpc.convert import step_to_pb
+from pagedserve.rpc.convert import EXECUTOR_PROTOCOL, step_to_pb
 from pagedserve.rpc.v1 import executor_pb2 as pb
 from pagedserve.rpc.v1 import executor_pb2_grpc as pb_grpc
 from pagedserve.sampling_params import SamplingParams
@@ -419,6 +419,13 @@ def _follower(step_id: int, epoch: int, after: int, **seq_fields: object) -> Exe
     )
     step = _step(step_id, epoch, **(fields | seq_fields))
     return dataclasses.replace(step, follows_step_id=after)
+
+
+def test_the_executor_names_the_api_revision_it_speaks(server: Server) -> None:
+    with grpc.insecure_channel(server.client.address) as channel:
+        answer = pb_grpc.ExecutorStub(channel).InitCache(pb.InitCacheRequest(), timeout=30)
+    assert answer.protocol == EXECUTOR_PROTOCOL
+    assert server.client.init_cache().instance_id == answer.instance_id  # accepted
 
 
 @pytest.mark.parametrize("table_start", [0, 1])

@@ -19,7 +19,7 @@ class InitCacheRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InitCacheResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_id", "block_size", "num_gpu_blocks", "num_cpu_blocks", "instance_id", "sliding_window")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_id", "block_size", "num_gpu_blocks", "num_cpu_blocks", "instance_id", "sliding_window", "protocol")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class InitCacheResponse(_message.Message):
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -38,7 +39,8 @@ class InitCacheResponse(_message.Message):
     num_cpu_blocks: int
     instance_id: str
     sliding_window: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    protocol: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
     __slots__ = ("n", "best_of", "use_beam_search", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "ignore_eos", "stop_token_ids", "seed", "logprobs", "length_penalty", "prompt_logprobs", "grammar")
