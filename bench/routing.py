@@ -51,6 +51,11 @@ POLICIES = ("prefix", "round-robin")
 # scheduler in whatever order they ran, and round robin, whose point is the A A B B order,
 # once got A B A B and matched prefix routing's hit rate.
 ARRIVAL_GAP_S = 0.05
+# Each system prompt's first request (trace order A A B B ...) runs alone before the rest
+# arrive, as in a service up for a while: sent with the others, the second request of a
+# prompt could be admitted before the first had cached it, and on a slow machine both
+# policies then computed each prompt twice and tied.
+FIRST_OF_EACH_PROMPT = (0, 2)
 
 
 def two_prompt_trace(args: argparse.Namespace) -> Trace:
@@ -126,8 +131,8 @@ def run_policy(args: argparse.Namespace, trace: Trace, store: str, policy: str) 
         model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
         bar = progress(trace.num_requests, policy)
 
-        def send(i: int) -> int:
-            time.sleep(i * ARRIVAL_GAP_S)
+        def send(i: int, gap: int = 0) -> int:
+            time.sleep(gap * ARRIVAL_GAP_S)
             body = {"model": model, "prompt": trace.prompts[i], "temperature": 0}
             body |= {"max_tokens": trace.output_lens[i], "ignore_eos": True}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
@@ -136,8 +141,10 @@ def run_policy(args: argparse.Namespace, trace: Trace, store: str, policy: str) 
             return r.json()["usage"]["completion_tokens"]
 
         start = time.perf_counter()
-        with ThreadPoolExecutor(trace.num_requests) as pool:
-            output_tokens = sum(pool.map(send, range(trace.num_requests)))
+        output_tokens = sum(send(i) for i in FIRST_OF_EACH_PROMPT)
+        rest = [i for i in range(trace.num_requests) if i not in FIRST_OF_EACH_PROMPT]
+        with ThreadPoolExecutor(len(rest)) as pool:
+            output_tokens += sum(pool.map(send, rest, range(len(rest))))
         wall = time.perf_counter() - start
         bar.close()
         metrics = httpx.get(f"{url}/metrics", timeout=5).text

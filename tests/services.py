@@ -29,6 +29,14 @@ GUARD_KEY = "guard-key"  # the API key of the guarded_server fixture (tests/sche
 @contextlib.contextmanager
 def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]:
     """`pagedserve serve` in its own process group; yields the base URL once /health is ok."""
+    with serving(model_dir, *flags, timeout=timeout) as proc:
+        yield proc.url
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[subprocess.Popen]:
+    """As ``serve``, yielding the process (its base URL in ``url``): for tests that hold
+    its executor still (``executor_pid``)."""
     port, executor_port = free_port(), free_port()
     args = [
         "serve",
@@ -43,12 +51,28 @@ def serve(model_dir: Path, *flags: str, timeout: float = 180.0) -> Iterator[str]
         *flags,
     ]
     proc = start(args, f"pagedserve-serve-{port}.log")
-    url = f"http://127.0.0.1:{port}"
+    proc.url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, timeout)
-        yield url
+        wait_healthy(proc.url, proc, timeout)
+        yield proc
     finally:
         stop(proc)
+
+
+def executor_pid(serve_proc: subprocess.Popen) -> int:
+    """The pid of the executor a `pagedserve serve` process started (its only child)."""
+    (child,) = Path(f"/proc/{serve_proc.pid}/task/{serve_proc.pid}/children").read_text().split()
+    return int(child)
+
+
+@contextlib.contextmanager
+def held_still(pid: int) -> Iterator[None]:
+    """SIGSTOP ``pid`` for the block, SIGCONT after it, also when the block fails."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def start(args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -19,21 +19,23 @@ from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine
 from scheduler_svc.state.journal import Journal
 from scheduler_svc.state.state_store import StateStore
-from tests.services import GUARD_KEY, free_port, serve
+from tests.services import GUARD_KEY, free_port, serving
 
 
 @pytest.fixture(scope="session")
 def guarded_server(tiny_chat_model_dir: Path) -> Iterator[SimpleNamespace]:
     """`pagedserve serve` with API key GUARD_KEY and the gRPC front door: url, model, an
-    HTTP client and a gRPC channel. Shared: every test leaves it serving and drained."""
+    HTTP client, a gRPC channel and the process. Shared: every test leaves it serving and
+    drained."""
     grpc_port = free_port()
     flags = ["--num-gpu-blocks", "96", "--api-key", GUARD_KEY, "--grpc-port", str(grpc_port)]
-    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as url:
+    with serving(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as proc:
+        url = proc.url
         auth = {"Authorization": f"Bearer {GUARD_KEY}"}
         model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
         client = httpx.Client(base_url=url, timeout=60)
         with client, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            yield SimpleNamespace(url=url, model=model, client=client, channel=channel)
+            yield SimpleNamespace(url=url, model=model, client=client, channel=channel, proc=proc)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
-from tests.services import GUARD_KEY
+from tests.services import GUARD_KEY, executor_pid, held_still
 
 KEY = GUARD_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -292,8 +292,7 @@ def test_a_request_id_in_flight_is_refused_while_its_request_runs_on(server):
     whatever its body; the first runs on to its end, counted once, and a retry after
     that end gets its stored answer."""
     request_id = f"in-flight-{uuid.uuid4().hex}"
-    # Long enough to still run while the six refused requests come and go.
-    body = {"model": server.model, "prompt": "The harbour at dawn", "max_tokens": 1000}
+    body = {"model": server.model, "prompt": "The harbour at dawn", "max_tokens": 200}
     body |= {"temperature": 0, "ignore_eos": True}
     headers = AUTH | {"X-Request-Id": request_id}
     before = counters(server)
@@ -303,13 +302,16 @@ def test_a_request_id_in_flight_is_refused_while_its_request_runs_on(server):
         assert r.status_code == 200
         lines = r.iter_lines()
         data = [next(line[6:] for line in lines if line.startswith("data: {"))]
-        for other in ({}, {"prompt": "Another prompt"}, {"max_tokens": 7}):
-            plain = error_of(post(server, "/v1/completions", body | other, headers), 409)
-            status, streamed = sse(server, "/v1/completions", body | other, headers)
-            # Another body may also be told apart by its body (request_id_conflict).
-            codes = {"conflict"} if not other else {"conflict", "request_id_conflict"}
-            assert status == 409 and plain["code"] in codes, other
-            assert strict_json(streamed[0])["error"]["code"] in codes, other
+        # The executor held still: the first request is surely in flight meanwhile (on a
+        # loaded machine six requests once took longer than its whole stream).
+        with held_still(executor_pid(server.proc)):
+            for other in ({}, {"prompt": "Another prompt"}, {"max_tokens": 7}):
+                plain = error_of(post(server, "/v1/completions", body | other, headers), 409)
+                status, streamed = sse(server, "/v1/completions", body | other, headers)
+                # Another body may also be told apart by its body (request_id_conflict).
+                codes = {"conflict"} if not other else {"conflict", "request_id_conflict"}
+                assert status == 409 and plain["code"] in codes, other
+                assert strict_json(streamed[0])["error"]["code"] in codes, other
         data += [line[6:] for line in lines if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     chunks = [strict_json(d)["choices"][0] for d in data[:-1]]
