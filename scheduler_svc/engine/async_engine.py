@@ -368,11 +368,14 @@ class AsyncEngine:
                     await lane.wake.wait()
                 lane.wake.clear()
                 outcome, moved = await asyncio.to_thread(lane.step)
+                # Counted before its clients see it, and before a flush that the term's end
+                # may cut short: the step's commit can land all the same, ending streams
+                # that the next term will not run again. The lane's thread is between steps.
+                self._observe(lane, outcome)
                 if not lane.has_work():  # what it commits has landed when it returns
-                    outcome.deltas += await asyncio.to_thread(lane.engine.flush)
-                # Counted before its clients see it; the lane's thread is between steps here.
-                if self.observer is not None:
-                    self.observer.after_step(lane.name, lane.engine, outcome)
+                    told = await asyncio.to_thread(lane.engine.flush)
+                    self._observe(lane, StepOutcome(deltas=told))
+                    outcome.deltas += told
                 unpublished.append(outcome)
                 self._publish_durable(unpublished)
                 if outcome.durable is not None and not outcome.durable.done():
@@ -401,6 +404,10 @@ class AsyncEngine:
         except Exception as e:
             self._die(lane, e)
             raise
+
+    def _observe(self, lane: Lane, outcome: StepOutcome) -> None:
+        if self.observer is not None:
+            self.observer.after_step(lane.name, lane.engine, outcome)
 
     async def _fenced(self) -> bool:
         if self.keeper is None or self.store is None:

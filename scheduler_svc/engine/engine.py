@@ -606,14 +606,15 @@ class LLMEngine:
             "executor_instance": self.executor_instance,
         }
 
-    def recover(self, epoch: int | None = None) -> None:
+    def recover(self, epoch: int | None = None) -> StepOutcome:
         """Rebuild from the journal after a restart; replay the step in flight, if any.
 
         Args:
             epoch: the leader's fencing epoch; None takes a new one from the store.
 
-        The replayed step's events go to the journal with the next commit, where resuming
-        clients read them.
+        Returns what the replayed step made (empty when none was): its events go to the
+        journal with the next commit, where resuming clients read them, and the requests
+        it finished are to be counted like any step's.
         """
         state = self.journal.begin(epoch)
         self.epoch = self.journal.epoch
@@ -635,8 +636,9 @@ class LLMEngine:
         for r in restored:
             events = self.journal.store.read_events(r.group.request_id)
             self.streams.restore(r.group, len(events))
-        if state.pending_step is not None and not kv_lost:
-            self._replay(step_from_json(state.pending_step), restored)
+        if state.pending_step is None or kv_lost:
+            return StepOutcome()
+        return self._replay(step_from_json(state.pending_step), restored)
 
     def _fence(self, state: StoredState) -> int:
         """Fence the predecessor off; the last step id the executor applied (-1: none).
@@ -651,7 +653,7 @@ class LLMEngine:
         last_step_id = self.executor.fence(self.epoch)
         return -1 if last_step_id is None else last_step_id
 
-    def _replay(self, pending: PendingStep, restored: list[RestoredGroup]) -> None:
+    def _replay(self, pending: PendingStep, restored: list[RestoredGroup]) -> StepOutcome:
         """Send the step in flight again, rebuilt from the restored groups: the executor
         answers a step it applied with its stored result, and applies one it never got.
 
@@ -661,7 +663,7 @@ class LLMEngine:
         by_seq = {s.seq_id: (r.group, i, s) for r in restored for i, s in enumerate(r.group.seqs)}
         if not all(seq_id in by_seq for seq_id in pending.seq_ids):
             self._abandon_replay("a sequence of it could not be restored")
-            return
+            return StepOutcome()
         seqs = [self._seq_step(*by_seq[seq_id]) for seq_id in pending.seq_ids]
         step = ExecuteStep(
             pending.step_id,
@@ -683,9 +685,9 @@ class LLMEngine:
             if self.journal.store.current_epoch() > self.epoch:  # fenced: not ours to fix
                 raise
             self._abandon_replay(repr(e))
-            return
+            return StepOutcome()
         self._step_ids.value = step.step_id + 1
-        self._apply(out, step, result)
+        return self._apply(out, step, result)
 
     def _abandon_replay(self, why: str) -> None:
         log.error("the step in flight cannot be replayed; recomputing every group", why=why)

@@ -137,12 +137,13 @@ class LaneSet:
         groups that had not moved on (they leave the unrouted list). Returns None, opening
         nothing, while moves out of it are still landing elsewhere.
         """
+        replayed = StepOutcome()  # what the step in flight, sent again, made
         if engine.journal is not None:
             source = engine.journal.store.lane_name
             if not await self._moves_landed(source):
                 log.warning("executor back before its groups moved; retrying", executor=name)
                 return None
-            await asyncio.to_thread(engine.recover, self.epoch)
+            replayed = await asyncio.to_thread(engine.recover, self.epoch)
             await asyncio.to_thread(engine.flush)
             self._retired.discard(source)
             self._unrouted = [
@@ -151,7 +152,7 @@ class LaneSet:
         lane = Lane(name, engine)
         self.lanes[name] = lane
         if self.observer is not None:  # its pools show before its first step
-            self.observer.after_step(name, engine, StepOutcome())
+            self.observer.after_step(name, engine, replayed)
         sched = engine.scheduler
         for group in sched.running + sched.waiting + sched.swapped:
             self._where[group.request_id] = lane

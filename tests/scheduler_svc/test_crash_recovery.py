@@ -21,6 +21,7 @@ from pagedserve.grammar import Grammar
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ExecutorConfig
+from tests.cluster import wait_until
 from tests.services import free_port, start, stop, wait_healthy
 
 pytestmark = pytest.mark.redis
@@ -190,6 +191,44 @@ def test_kill_9_at_a_step_boundary_loses_nothing(
         assert used_blocks(url) == 0
     finally:
         stop(proc)
+
+
+def test_a_request_finished_by_the_replayed_step_is_counted_once(
+    redis_url, executor, namespace, reference
+):
+    """Killed after the executor ran the step that finishes a request, before that step's
+    results were committed: the next scheduler sends the step again, which finishes the
+    request there, and counts it (once: the client's retry reads the stored answer)."""
+    flags = ("--no-async-scheduling", "--num-decode-steps=1")
+    proc, url = scheduler(redis_url, executor, namespace, f"after_execute:{MAX_TOKENS}", flags)
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    request_id = f"req-replayed-{uuid.uuid4().hex}"
+    headers = {"X-Request-Id": request_id}
+    with contextlib.suppress(httpx.HTTPError):  # cut off by the crash
+        httpx.post(f"{url}/v1/completions", json=body(model, PROMPTS[0]), headers=headers)
+    try:
+        assert proc.wait(timeout=60) == -9, "the scheduler should have died at the crash point"
+    finally:
+        stop(proc)
+    proc, url = scheduler(redis_url, executor, namespace, flags=flags)
+    try:
+        wait_until(lambda: requests_total(url) >= 1, 30, "the replayed request counted")
+        r = httpx.post(
+            f"{url}/v1/completions", json=body(model, PROMPTS[0]), headers=headers, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference[0]
+        assert requests_total(url) == 1
+        assert used_blocks(url) == 0
+    finally:
+        stop(proc)
+
+
+def requests_total(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(
+        float(v) for v in re.findall(r"^pagedserve_requests_total\{[^}]*\} (\S+)$", text, re.M)
+    )
 
 
 @pytest.mark.parametrize(

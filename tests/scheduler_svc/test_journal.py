@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, PromptLogprob, StepResult
-from scheduler_svc.engine.engine import LLMEngine, StepExecutor
+from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.state.journal import COMPACT_AFTER, MAX_DELTAS
 from scheduler_svc.state.persistence import group_from_json
 from scheduler_svc.state.state_store import InMemoryStateStore, StateStore, StepCommit
@@ -239,3 +239,26 @@ def test_recovery_rebuilds_the_pending_step_equal_to_the_step_sent(
     if num_decode_steps == 1:
         assert steps > COMPACT_AFTER  # deltas were compacted on the way
     assert most_steps == num_decode_steps
+
+
+def test_recovery_returns_what_the_replayed_step_made(
+    journaled_engine: Callable[..., LLMEngine],
+) -> None:
+    """A restart while the step that finishes a request is in flight: the replay finishes
+    it again, and ``recover`` says so (the lane counts it; its stream ends from the
+    journal, and no later step of this term sees the request)."""
+    store = InMemoryStateStore()
+    engine = journaled_engine(store, 1)
+    engine.recover()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("a", [100, 200, 300], params)
+    while not (last := engine.step()).finished:
+        pass
+    assert store.load().pending_step is not None  # its results wait for the next commit
+    restarted = journaled_engine(store, 1)
+    replayed = restarted.recover()
+    assert [g.request_id for g in replayed.finished] == ["a"]
+    (delta,) = replayed.deltas
+    assert delta.finished and delta.outputs == last.deltas[0].outputs
+    assert not restarted.has_unfinished()
+    assert journaled_engine(InMemoryStateStore(), 1).recover() == StepOutcome()  # nothing
