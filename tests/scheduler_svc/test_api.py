@@ -20,7 +20,7 @@ from pagedserve.cli import SERVE_GOMP_SPINCOUNT, executor_environ
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ExecutorConfig
-from tests.services import serve
+from tests.services import executor_pid, held_still, serving
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,8 +29,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path):
     flags = ["--num-gpu-blocks", "96", "--api-key", KEY, "--enable-prefix-caching"]
-    with serve(tiny_chat_model_dir, *flags) as url:
-        yield url, tiny_chat_model_dir.name
+    with serving(tiny_chat_model_dir, *flags) as proc:
+        yield proc.url, tiny_chat_model_dir.name, proc
 
 
 @pytest.fixture(scope="module")
@@ -359,8 +359,11 @@ def test_a_client_that_disconnects_is_aborted_and_frees_its_blocks(server, strea
         else:
             time.sleep(0.05)
     assert metric(server, "pagedserve_kv_blocks_used", 'device="gpu"') > 0
-    sock.close()
-    deadline = time.monotonic() + 3  # generating all 900 tokens would take far longer
+    # The executor held still while the client leaves: the request surely runs on then.
+    with held_still(executor_pid(server[2])):
+        sock.close()
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
     while running(server) or finished(server) == before:
         assert time.monotonic() < deadline, "the disconnected request still runs"
         time.sleep(0.1)

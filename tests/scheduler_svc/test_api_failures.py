@@ -23,7 +23,7 @@ from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
 from scheduler_svc.api.errors import client_error
 from tests.openai_spec import assert_conforms
 from tests.redis_server import RedisServer
-from tests.services import free_port, start, stop, wait_healthy
+from tests.services import executor_pid, free_port, held_still, start, stop, wait_healthy
 
 pytestmark = pytest.mark.redis
 LONG = {"prompt": "Tell a very long story", "max_tokens": 900, "ignore_eos": True}
@@ -56,7 +56,7 @@ def model_of(url: str) -> str:
 
 
 def test_a_broken_stream_ends_with_an_error_event_and_done(on_private_redis):
-    url, address, _, redis_proc = on_private_redis
+    url, address, proc, redis_proc = on_private_redis
     body = {"model": model_of(url), **LONG, "stream": True}
     grpc_status: list[grpc.StatusCode] = []
 
@@ -77,9 +77,11 @@ def test_a_broken_stream_ends_with_an_error_event_and_done(on_private_redis):
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None  # under way
-        follower.start()
-        time.sleep(0.5)  # the gRPC stream is under way too
-        redis_proc.kill()  # every commit and read of the store fails from here on
+        # The executor held still: both streams surely run when the store goes away.
+        with held_still(executor_pid(proc)):
+            follower.start()
+            time.sleep(0.5)  # the gRPC stream is under way too
+            redis_proc.kill()  # every commit and read of the store fails from here on
         data = [line[6:] for line in lines if line.startswith("data: ")]
     follower.join(60)
     errors = [json.loads(d)["error"] for d in data if d.startswith('{"error"')]

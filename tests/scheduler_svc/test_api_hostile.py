@@ -364,11 +364,12 @@ def test_an_abort_without_the_key_ends_nothing(server):
     while not reasons:
         assert time.monotonic() < deadline, "the stream never started"
         time.sleep(0.05)
-    for metadata in ((), (("authorization", "Bearer wrong"),)):
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Abort(pb.AbortRequest(request_id=request_id), metadata=metadata)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert stub.Abort(pb.AbortRequest(request_id=request_id), metadata=KEYED).aborted
+    with held_still(executor_pid(server.proc)):  # the stream surely runs meanwhile
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Abort(pb.AbortRequest(request_id=request_id), metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Abort(pb.AbortRequest(request_id=request_id), metadata=KEYED).aborted
     reader.join(60)
     assert reasons[-1] == "abort"
     after = counters(server)

@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.rpc.v1 import frontdoor_pb2 as pb
 from pagedserve.rpc.v1.frontdoor_pb2_grpc import FrontDoorStub
-from tests.services import free_port, start, stop, wait_healthy
+from tests.services import executor_pid, free_port, held_still, start, stop, wait_healthy
 
 ENV_KEYS = ("env-key-3f9a", "env-key-77c1")
 FILE_KEYS = ("file-key-b20e",)
@@ -87,8 +87,9 @@ def test_a_key_aborts_only_its_own_requests(keyed) -> None:
     stream = stub.Generate(request, metadata=owner)
     next(stream)  # running
     abort = pb.AbortRequest(request_id=request.request_id)
-    assert not stub.Abort(abort, metadata=other).aborted
-    assert stub.Abort(abort, metadata=owner).aborted
+    with held_still(executor_pid(keyed.proc)):  # the request surely runs meanwhile
+        assert not stub.Abort(abort, metadata=other).aborted
+        assert stub.Abort(abort, metadata=owner).aborted
     last = list(stream)[-1]
     assert last.usage.completion_tokens < request.max_tokens
 

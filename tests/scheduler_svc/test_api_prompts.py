@@ -6,6 +6,7 @@ aborted whole."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from tests.openai_spec import assert_conforms
-from tests.services import GUARD_KEY
+from tests.services import GUARD_KEY, executor_pid, held_still
 
 AUTH = {"Authorization": f"Bearer {GUARD_KEY}"}
 PROMPTS = ["The harbour at dawn", "A letter from the coast"]
@@ -131,8 +132,12 @@ def test_a_batch_whose_client_leaves_is_aborted_whole(guarded_server):
     body |= {"ignore_eos": True}
     aborted = 'requests_total{finish_reason="abort"}'
     before = {name: gauge(server, name) for name in (aborted, "generation_tokens_total")}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+    url = f"{server.url}/v1/completions"
+    # Left last to first: the client leaves, then the executor held still since the first
+    # event goes on, so the client surely left while the four still ran.
+    with contextlib.ExitStack() as hold, httpx.stream("POST", url, json=body, headers=AUTH) as r:
         next(line for line in r.iter_lines() if line.startswith("data: {"))
+        hold.enter_context(held_still(executor_pid(server.proc)))
     deadline = time.monotonic() + 10
     while gauge(server, aborted) < before[aborted] + 4:
         assert time.monotonic() < deadline, "a request of the batch still runs"

@@ -140,7 +140,9 @@ def test_a_burst_of_requests_all_finish(tiny_chat_model_dir, namespace, redis_ur
     """400 requests at once into a pool that holds a fraction of them: they wait or are
     preempted, and each gets its whole answer (no empty text passed off as finished)."""
     executor, _ = start_executor(tiny_chat_model_dir, namespace, redis=redis_url, num_gpu_blocks=64)
-    scheduler, url = start_scheduler(namespace, redis=redis_url)
+    # No bound on the expected wait: measured on a loaded machine it could refuse some (429),
+    # and this test is about those admitted finishing, not about admission.
+    scheduler, url = start_scheduler(namespace, "--max-queue-wait", "0", redis=redis_url)
     try:
         wait_executors(url, 1)
         finished_before = metric(url, "requests_total")

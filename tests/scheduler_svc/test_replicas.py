@@ -26,7 +26,7 @@ from tests.cluster import (
     stream_text,
     wait_until,
 )
-from tests.services import stop
+from tests.services import held_still, stop
 
 pytestmark = pytest.mark.redis
 LEASE_TTL = 2.0
@@ -40,7 +40,8 @@ def reference(tiny_chat_model_dir: Path) -> dict[str, str]:
 
 @pytest.fixture
 def replicas(tiny_chat_model_dir: Path, redis_url: str):
-    """An executor and two scheduler replicas; yields (leader, standby, executor address)."""
+    """An executor and two scheduler replicas; yields (leader, standby, executor address,
+    executor process)."""
     namespace = f"test-replicas-{uuid.uuid4().hex}"
     executor, address = start_executor(tiny_chat_model_dir, namespace, redis=redis_url, drain_s=3)
     # One decode step a call: the tests pause and kill the leader mid-generation, and at
@@ -51,7 +52,7 @@ def replicas(tiny_chat_model_dir: Path, redis_url: str):
         schedulers.append(start_scheduler(namespace, *flags, redis=redis_url))
         wait_until(lambda: health(schedulers[0][1])["leading"], 30, "the first replica leads")
         schedulers.append(start_scheduler(namespace, *flags, redis=redis_url))
-        yield schedulers[0], schedulers[1], address
+        yield schedulers[0], schedulers[1], address, executor
     finally:
         for proc, _ in schedulers:
             os.killpg(proc.pid, signal.SIGCONT)  # a test may leave one stopped
@@ -60,7 +61,7 @@ def replicas(tiny_chat_model_dir: Path, redis_url: str):
 
 
 def test_kill_9_of_the_leader_hands_over_to_the_standby(replicas, reference):
-    (leader, leader_url), (_, standby_url), address = replicas
+    (leader, leader_url), (_, standby_url), address, _ = replicas
     assert not health(standby_url)["leading"]
     ids = [f"req-{uuid.uuid4().hex}" for _ in PROMPTS[1:]]
 
@@ -83,18 +84,26 @@ def test_kill_9_of_the_leader_hands_over_to_the_standby(replicas, reference):
 
 
 def test_a_paused_leader_is_fenced_off_and_steps_down(replicas, reference):
-    (leader, leader_url), (_, standby_url), address = replicas
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+    (leader, leader_url), (_, standby_url), address, executor = replicas
+    with ThreadPoolExecutor(len(PROMPTS)) as pool, ExecutorClient(address) as client:
         futures = [pool.submit(complete, standby_url, p) for p in PROMPTS]
-        wait_until(lambda: num_steps(address) >= 4, 60, "generation under way")
-        with ExecutorClient(address) as client:
-            old_epoch = client.get_stats().epoch
+        seen = []  # the executor's stats once generation is under way
+
+        def under_way() -> bool:
+            seen.append(client.get_stats())
+            return seen[-1].num_steps >= 4
+
+        wait_until(under_way, 60, "generation under way")
+        old_epoch = seen[-1].epoch
+        # The executor held still until the leader is: no request can finish in between,
+        # so the standby finds work to step with its new epoch.
+        with held_still(executor.pid):
             os.killpg(leader.pid, signal.SIGSTOP)
-            wait_until(lambda: health(standby_url)["leading"], 30, "the standby leads")
-            # It leads from the moment it takes the lease; its epoch reaches the executor
-            # with its first step.
-            wait_until(lambda: client.get_stats().epoch > old_epoch, 30, "the new epoch steps")
-            new_epoch = client.get_stats().epoch
+        wait_until(lambda: health(standby_url)["leading"], 30, "the standby leads")
+        # It leads from the moment it takes the lease; its epoch reaches the executor with
+        # its first step.
+        wait_until(lambda: client.get_stats().epoch > old_epoch, 30, "the new epoch steps")
+        new_epoch = client.get_stats().epoch
         os.killpg(leader.pid, signal.SIGCONT)  # wakes up believing it leads
         wait_until(lambda: not health(leader_url)["leading"], 30, "the old leader steps down")
         texts = [f.result() for f in futures]
