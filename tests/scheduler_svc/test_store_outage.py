@@ -164,8 +164,10 @@ def test_past_its_budget_a_stream_ends_with_an_error_and_resumes(
     budget = ("--store-budget", str(SHORT_BUDGET_S))
     procs["scheduler"], url = start_scheduler(namespace, *budget, redis=redis_server.url)
     prompt = PROMPTS[0]
-    request = body(url, prompt, stream=True) | {"max_tokens": 128}
-    expected = reference_texts(tiny_chat_model_dir, [prompt], max_tokens=128)[prompt]
+    # Far more tokens than the client reads before it pauses Redis: a client reading late on
+    # a loaded machine must not find the whole stream generated and committed by then.
+    request = body(url, prompt, stream=True) | {"max_tokens": OUTAGE_TOKENS * 3}
+    expected = reference_texts(tiny_chat_model_dir, [prompt], max_tokens=OUTAGE_TOKENS * 3)[prompt]
     text, last_id, error, paused = "", None, None, False
     resumable = {"X-Resumable-Stream": "true"}
     with httpx.stream(
