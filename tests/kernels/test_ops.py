@@ -262,6 +262,35 @@ def test_thread_count_does_not_change_results() -> None:
     assert torch.equal(single, multi)
 
 
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(group: int) -> None:
+    """A prompt's tokens in one call give the bits each gives alone, at its own context
+    length: rows are paired differently in the two calls (two rows that see the same keys
+    share their loads), and each row's arithmetic is the same either way."""
+    (query, key_cache, value_cache, tables, _, context_lens) = _prefill_inputs(
+        [(45, 45)], 16, 64, group, torch.float32
+    )
+    whole = ops.paged_attention_prefill(
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        torch.tensor([0, 45], dtype=torch.int32),
+        context_lens,
+        0.125,
+    )
+    one_each = ops.paged_attention_prefill(
+        query,
+        key_cache,
+        value_cache,
+        tables.expand(45, -1).contiguous(),
+        torch.arange(46, dtype=torch.int32),
+        torch.arange(1, 46, dtype=torch.int32),
+        0.125,
+    )
+    assert torch.equal(whole, one_each)
+
+
 def test_decode_reads_strided_query() -> None:
     """A query sliced out of a fused qkv projection is read in place."""
     kv = make_paged_kv([33, 300], 16, NUM_KV_HEADS, 64)

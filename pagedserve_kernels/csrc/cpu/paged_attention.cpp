@@ -22,7 +22,10 @@
 // l_p with m = max_p m_p.
 //
 // q_r . k_j runs eight keys at a time (one load of q per eight FMAs, one transposing reduction
-// per eight logits); the value pass keeps up to 64 floats of acc_r in registers.
+// per eight logits); the value pass keeps up to 64 floats of acc_r in registers. Two rows that
+// see the same positions of a block (other heads of the token, or later tokens past the
+// diagonal) go through it together, each load of a key or a value serving both; each row's
+// arithmetic is the same as alone, so its result does not depend on its partner.
 //
 // Items are sorted by cost (rows x positions seen) and handed out one at a time from a shared
 // counter, so the threads stay busy when sequences differ in length. Decode is the case of one
@@ -94,14 +97,14 @@ class Scratch {
  public:
   Scratch(const AttentionParams& p, int64_t max_rows)
       : buffer_(static_cast<size_t>(max_rows * (2 * p.head_dim + 2) +
-                                    (2 * p.head_dim + 1) * p.block_size)) {
+                                    (2 * p.head_dim + 2) * p.block_size)) {
     float* next = buffer_.data();
     auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
     q = take(max_rows * p.head_dim);
     acc = take(max_rows * p.head_dim);
     max = take(max_rows);
     sum = take(max_rows);
-    logits = take(p.block_size);
+    logits = take(2 * p.block_size);
     keys = take(p.block_size * p.head_dim);
     values = take(p.block_size * p.head_dim);
   }
@@ -110,7 +113,7 @@ class Scratch {
   float* acc;     // [rows, head_dim], unnormalised outputs
   float* max;     // [rows], running max logit
   float* sum;     // [rows], running sum of exponentials
-  float* logits;  // [block_size], one row's logits in one block, then their exponentials
+  float* logits;  // [2, block_size], two rows' logits in one block, then their exponentials
   float* keys;    // [block_size, head_dim], one block's keys as fp32 (non-fp32 caches only)
   float* values;  // [block_size, head_dim], likewise for values
 
@@ -176,6 +179,36 @@ PAGEDSERVE_INLINE void dot_keys(const float* q, Rows keys, int64_t n, int64_t di
   }
 }
 
+// dot_keys for two rows that see the same keys: each load of a key serves both. Each row's
+// arithmetic is dot_keys' to the bit, so a row's result does not depend on its partner.
+PAGEDSERVE_INLINE void dot_keys2(const float* q0, const float* q1, Rows keys, int64_t n,
+                                 int64_t dim, float* logits0, float* logits1) {
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) {
+    vfloat acc0[kWidth] = {}, acc1[kWidth] = {};
+    for (int64_t d = 0; d < dim; d += kWidth) {
+      const vfloat a = load(q0 + d), b = load(q1 + d);
+      for (int t = 0; t < kWidth; ++t) {
+        const vfloat k = load(keys[j + t] + d);
+        acc0[t] += a * k;
+        acc1[t] += b * k;
+      }
+    }
+    store(logits0 + j, transpose_sums(acc0));
+    store(logits1 + j, transpose_sums(acc1));
+  }
+  for (; j < n; ++j) {
+    vfloat acc0 = {}, acc1 = {};
+    for (int64_t d = 0; d < dim; d += kWidth) {
+      const vfloat k = load(keys[j] + d);
+      acc0 += load(q0 + d) * k;
+      acc1 += load(q1 + d) * k;
+    }
+    logits0[j] = hsum(acc0);
+    logits1[j] = hsum(acc1);
+  }
+}
+
 // acc[d0, d0 + C * kWidth) += sum_j p[j] * values[j][same range], held in C registers.
 template <int C>
 PAGEDSERVE_INLINE void accumulate_chunk(const float* p, Rows values, int64_t n, int64_t d0,
@@ -203,6 +236,40 @@ PAGEDSERVE_INLINE void accumulate(const float* p, Rows values, int64_t n, int64_
     d += 2 * kWidth;
   }
   if (d < dim) accumulate_chunk<1>(p, values, n, d, acc);
+}
+
+// accumulate_chunk for two rows: each load of a value serves both, each row's sums as alone.
+template <int C>
+PAGEDSERVE_INLINE void accumulate_chunk2(const float* p0, const float* p1, Rows values, int64_t n,
+                                         int64_t d0, float* acc0, float* acc1) {
+  vfloat a[C], b[C];
+  for (int c = 0; c < C; ++c) a[c] = load(acc0 + d0 + c * kWidth);
+  for (int c = 0; c < C; ++c) b[c] = load(acc1 + d0 + c * kWidth);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = values[j] + d0;
+    for (int c = 0; c < C; ++c) {
+      const vfloat x = load(v + c * kWidth);
+      a[c] += x * p0[j];
+      b[c] += x * p1[j];
+    }
+  }
+  for (int c = 0; c < C; ++c) store(acc0 + d0 + c * kWidth, a[c]);
+  for (int c = 0; c < C; ++c) store(acc1 + d0 + c * kWidth, b[c]);
+}
+
+// accumulate for two rows, in chunks of at most four vectors a row (both rows' accumulators
+// in registers).
+PAGEDSERVE_INLINE void accumulate2(const float* p0, const float* p1, Rows values, int64_t n,
+                                   int64_t dim, float* acc0, float* acc1) {
+  int64_t d = 0;
+  for (; d + 4 * kWidth <= dim; d += 4 * kWidth) {
+    accumulate_chunk2<4>(p0, p1, values, n, d, acc0, acc1);
+  }
+  if (d + 2 * kWidth <= dim) {
+    accumulate_chunk2<2>(p0, p1, values, n, d, acc0, acc1);
+    d += 2 * kWidth;
+  }
+  if (d < dim) accumulate_chunk2<1>(p0, p1, values, n, d, acc0, acc1);
 }
 
 // Folds one row's logits[0, n) into its running max and sum and rescales its accumulator;
@@ -305,19 +372,39 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
                                       kv_token_stride, len, dim, s.keys);
       const Rows values = as_float_rows(static_cast<const T*>(p.value_cache) + offset,
                                         kv_token_stride, len, dim, s.values);
-      for (int64_t r = first_row; r < rows; ++r) {
+      // The row sees the block's positions [start + skip, start + seen).
+      auto seen_of = [&](int64_t r) {
         const int64_t pos = item.first_pos + r / group;
-        // The row sees the block's positions [start + skip, start + seen).
-        const int64_t seen = std::min(len, pos + 1 - start);
-        const int64_t skip = window_skip(p, pos, start);
-        if (skip >= seen) continue;
-        const int64_t row = h * rows + r;
+        return std::pair{window_skip(p, pos, start), std::min(len, pos + 1 - start)};
+      };
+      for (int64_t r = first_row; r < rows;) {
+        const auto [skip, seen] = seen_of(r);
+        if (skip >= seen) {
+          ++r;
+          continue;
+        }
+        const int64_t row = h * rows + r, n = seen - skip;
         float* acc = s.acc + row * dim;
+        if (r + 1 < rows && seen_of(r + 1) == std::pair{skip, seen}) {  // two rows at once
+          float* logits1 = s.logits + block_size;
+          prefetch.next_slice();
+          prefetch.next_slice();
+          dot_keys2(s.q + row * dim, s.q + (row + 1) * dim, keys.from(skip), n, dim, s.logits,
+                    logits1);
+          update_softmax(s.logits, n, dim, s.max[row], s.sum[row], acc);
+          update_softmax(logits1, n, dim, s.max[row + 1], s.sum[row + 1], acc + dim);
+          prefetch.next_slice();
+          prefetch.next_slice();
+          accumulate2(s.logits, logits1, values.from(skip), n, dim, acc, acc + dim);
+          r += 2;
+          continue;
+        }
         prefetch.next_slice();
-        dot_keys(s.q + row * dim, keys.from(skip), seen - skip, dim, s.logits);
-        update_softmax(s.logits, seen - skip, dim, s.max[row], s.sum[row], acc);
+        dot_keys(s.q + row * dim, keys.from(skip), n, dim, s.logits);
+        update_softmax(s.logits, n, dim, s.max[row], s.sum[row], acc);
         prefetch.next_slice();
-        accumulate(s.logits, values.from(skip), seen - skip, dim, acc);
+        accumulate(s.logits, values.from(skip), n, dim, acc);
+        ++r;
       }
     }
   }
