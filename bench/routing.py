@@ -4,9 +4,11 @@ The `chat-prefix` trace with two distinct system prompts (two traces of the work
 seeds s and s + 1, interleaved) goes through one scheduler in front of two registered
 executors, once per routing policy. Prefix-aware routing sends each system prompt to the
 executor that already holds it, so its prefix cache hits; round robin splits each prompt's
-requests over both executors, so each computes both prompts. Printed and written: prefix-
-cache hit rate (hit tokens / looked-up prompt tokens, from the scheduler's /metrics),
-prefill tokens computed, wall time and output tokens/s.
+requests over both executors, so each computes both prompts. Each request is sent once the
+one before it has its first token (the order of routing is the trace's, and each finds the
+prompts before it cached). Printed and written: prefix-cache hit rate (hit tokens / looked-up
+prompt tokens, from the scheduler's /metrics), prefill tokens computed, wall time and output
+tokens/s.
 
     python bench/routing.py --num-requests 16 --shared-prefix-len 512 --json OUT
 
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,17 +49,6 @@ from bench.common import (
 from bench.launch import free_port, redis_url, server
 
 POLICIES = ("prefix", "round-robin")
-
-
-# Requests start this far apart, in trace order: sent all at once, the threads reached the
-# scheduler in whatever order they ran, and round robin, whose point is the A A B B order,
-# once got A B A B and matched prefix routing's hit rate.
-ARRIVAL_GAP_S = 0.05
-# Each system prompt's first request (trace order A A B B ...) runs alone before the rest
-# arrive, as in a service up for a while: sent with the others, the second request of a
-# prompt could be admitted before the first had cached it, and on a slow machine both
-# policies then computed each prompt twice and tied.
-FIRST_OF_EACH_PROMPT = (0, 2)
 
 
 def two_prompt_trace(args: argparse.Namespace) -> Trace:
@@ -131,20 +124,35 @@ def run_policy(args: argparse.Namespace, trace: Trace, store: str, policy: str) 
         model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
         bar = progress(trace.num_requests, policy)
 
-        def send(i: int, gap: int = 0) -> int:
-            time.sleep(gap * ARRIVAL_GAP_S)
+        # Each request is sent once the one before it has its first token: it is routed
+        # after that one, and finds that one's prompt in the prefix cache. Sent on a
+        # timer instead, a loaded machine could reorder arrivals into A B A B, and round
+        # robin then matched prefix routing's hits (a fresh-clone CI run, 0.586 each).
+        started = [threading.Event() for _ in range(trace.num_requests)]
+
+        def send(i: int) -> int:
+            if i:
+                started[i - 1].wait()
             body = {"model": model, "prompt": trace.prompts[i], "temperature": 0}
-            body |= {"max_tokens": trace.output_lens[i], "ignore_eos": True}
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
-            r.raise_for_status()
+            body |= {"max_tokens": trace.output_lens[i], "ignore_eos": True, "stream": True}
+            body |= {"stream_options": {"include_usage": True}}
+            tokens = 0
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            started[i].set()
+                            usage = json.loads(line[6:]).get("usage")
+                            tokens = usage["completion_tokens"] if usage else tokens
+            finally:
+                started[i].set()  # a failed request must not hold the others back
             bar.update()
-            return r.json()["usage"]["completion_tokens"]
+            return tokens
 
         start = time.perf_counter()
-        output_tokens = sum(send(i) for i in FIRST_OF_EACH_PROMPT)
-        rest = [i for i in range(trace.num_requests) if i not in FIRST_OF_EACH_PROMPT]
-        with ThreadPoolExecutor(len(rest)) as pool:
-            output_tokens += sum(pool.map(send, rest, range(len(rest))))
+        with ThreadPoolExecutor(trace.num_requests) as pool:
+            output_tokens = sum(pool.map(send, range(trace.num_requests)))
         wall = time.perf_counter() - start
         bar.close()
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
