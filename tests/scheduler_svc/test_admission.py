@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from scheduler_svc.engine.admission import RATE_STARTS, RATE_WINDOW_S, Admission
 from scheduler_svc.state.streams import QueueFullError
 from tests.cluster import metric, used_blocks
 from tests.openai_spec import assert_conforms
-from tests.services import serve
+from tests.services import executor_pid, held_still, serve, serving
 
 MAX_TOKENS = 200  # long enough that the burst lands while the first ones run
 BURST = 12
@@ -28,12 +30,16 @@ WAITING_TOKENS = 64  # of each request queued behind a long one (priority test)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model_dir: Path):
+def served(tiny_chat_model_dir: Path):
     # One sequence runs at a time, so a burst waits; at most 3 may wait.
     flags = ["--num-gpu-blocks", "64", "--max-num-seqs", "1", "--max-waiting-requests", "3"]
-    with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as url:
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        yield url, model
+    with serving(tiny_chat_model_dir, *flags, "--executor-metrics-port", "0") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def server(served) -> tuple[str, str]:
+    return served.url, httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -186,21 +192,21 @@ def _call(client: openai.OpenAI, model: str, i: int) -> str | Exception:
         return e
 
 
-def test_a_lower_priority_value_runs_first(server):
+def test_a_lower_priority_value_runs_first(server, served):
     """One sequence runs at a time: of the requests waiting behind a long one, the urgent
-    one that came last finishes before the two that came before it. Each runs long enough
-    (WAITING_TOKENS) that the next finishes well after it: the finishing times are stamped
-    by the client's threads, which a loaded machine runs late (by 0.14 s once, when each
-    took 8 tokens and 0.07 s)."""
+    one that came last finishes before the two that came before it. The executor is held
+    still while they arrive, so the long one surely runs on meanwhile, and the order is the
+    engine's, read from its log (stamped by the client's threads, a loaded machine once ran
+    the urgent one's thread late enough to invert it)."""
     url, model = server
-    done: dict[str, float] = {}
+    ids = {name: f"{name}-{uuid.uuid4().hex}" for name in ("later0", "later1", "urgent")}
 
     def run(name: str, priority: int) -> None:
         body = {"model": model, "prompt": f"{name}:", "priority": priority, "ignore_eos": True}
-        body |= {"max_tokens": WAITING_TOKENS}
-        r = httpx.post(f"{url}/v1/completions", json=body | {"temperature": 0}, timeout=300)
+        body |= {"max_tokens": WAITING_TOKENS, "temperature": 0}
+        headers = {"X-Request-Id": ids[name]}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
         assert r.status_code == 200, r.text
-        done[name] = time.monotonic()
 
     long = {"model": model, "prompt": "Long:", "max_tokens": 1000, "ignore_eos": True}
     with (
@@ -209,16 +215,31 @@ def test_a_lower_priority_value_runs_first(server):
     ):
         lines = first.iter_lines()
         next(line for line in lines if line.startswith("data: {"))  # it runs
-        later = [pool.submit(run, f"later{i}", 10) for i in range(2)]
-        time.sleep(0.3)
-        urgent = pool.submit(run, "urgent", -5)
-        time.sleep(0.3)
-        assert not done, "the long request must still be running when they all wait"
+        with held_still(executor_pid(served)):
+            later = [pool.submit(run, f"later{i}", 10) for i in range(2)]
+            time.sleep(0.3)
+            urgent = pool.submit(run, "urgent", -5)
+            time.sleep(1.0)  # the three are queued: nothing can run until the long one ends
+            assert not any(f.done() for f in [*later, urgent])
         for _ in lines:  # read the long one to its end; then the others run
             pass
         for future in [*later, urgent]:
             future.result()
-    assert done["urgent"] < min(done["later0"], done["later1"]), done
+    order = finish_order(url, set(ids.values()))
+    assert order.index(ids["urgent"]) < min(order.index(ids["later0"]), order.index(ids["later1"]))
+
+
+def finish_order(url: str, request_ids: set[str]) -> list[str]:
+    """``request_ids`` in the order the engine finished them (its "request finished" log
+    lines, one a request, in step order)."""
+    port = url.rsplit(":", 1)[1]
+    log = Path(tempfile.gettempdir()) / f"pagedserve-serve-{port}.log"
+    finished = [
+        json.loads(line)["request_id"]
+        for line in log.read_text().splitlines()
+        if '"request finished"' in line
+    ]
+    return [request_id for request_id in finished if request_id in request_ids]
 
 
 def test_a_request_past_its_timeout_ends_with_deadline_exceeded(server):
