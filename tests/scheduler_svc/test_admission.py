@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -225,15 +224,13 @@ def test_a_lower_priority_value_runs_first(server, served):
             pass
         for future in [*later, urgent]:
             future.result()
-    order = finish_order(url, set(ids.values()))
+    order = finish_order(served.log_path, set(ids.values()))
     assert order.index(ids["urgent"]) < min(order.index(ids["later0"]), order.index(ids["later1"]))
 
 
-def finish_order(url: str, request_ids: set[str]) -> list[str]:
-    """``request_ids`` in the order the engine finished them (its "request finished" log
-    lines, one a request, in step order)."""
-    port = url.rsplit(":", 1)[1]
-    log = Path(tempfile.gettempdir()) / f"pagedserve-serve-{port}.log"
+def finish_order(log: Path, request_ids: set[str]) -> list[str]:
+    """``request_ids`` in the order the engine finished them (the "request finished" lines
+    of the server's log, one a request, in step order)."""
     finished = [
         json.loads(line)["request_id"]
         for line in log.read_text().splitlines()

@@ -21,7 +21,7 @@ from pagedserve.grammar import Grammar
 from pagedserve.offline import OfflineLLM, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import ExecutorConfig
-from tests.cluster import wait_until
+from tests.cluster import metric, wait_until
 from tests.services import free_port, start, stop, wait_healthy
 
 pytestmark = pytest.mark.redis
@@ -212,23 +212,16 @@ def test_a_request_finished_by_the_replayed_step_is_counted_once(
         stop(proc)
     proc, url = scheduler(redis_url, executor, namespace, flags=flags)
     try:
-        wait_until(lambda: requests_total(url) >= 1, 30, "the replayed request counted")
+        wait_until(lambda: metric(url, "requests_total") >= 1, 30, "the replayed request counted")
         r = httpx.post(
             f"{url}/v1/completions", json=body(model, PROMPTS[0]), headers=headers, timeout=60
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference[0]
-        assert requests_total(url) == 1
+        assert metric(url, "requests_total") == 1
         assert used_blocks(url) == 0
     finally:
         stop(proc)
-
-
-def requests_total(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(
-        float(v) for v in re.findall(r"^pagedserve_requests_total\{[^}]*\} (\S+)$", text, re.M)
-    )
 
 
 @pytest.mark.parametrize(
