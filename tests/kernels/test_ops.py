@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve_kernels import ops, reference
+from pagedserve_kernels.ops import cpu_extension
 from tests.kernels.cases import as_bytes, free_outside_window, make_paged_kv, random_bytes
 
 NUM_KV_HEADS = 2
@@ -262,33 +263,64 @@ def test_thread_count_does_not_change_results() -> None:
     assert torch.equal(single, multi)
 
 
+@pytest.mark.parametrize("vector_floats", [0, 8])
+@pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(group: int) -> None:
-    """A prompt's tokens in one call give the bits each gives alone, at its own context
-    length: rows are paired differently in the two calls (two rows that see the same keys
-    share their loads), and each row's arithmetic is the same either way."""
-    (query, key_cache, value_cache, tables, _, context_lens) = _prefill_inputs(
+def test_a_prompts_result_does_not_depend_on_how_it_was_chunked(
+    group: int, window: int, vector_floats: int
+) -> None:
+    """A 45-token prompt in one call gives the bits of the same prompt in chunks of 2 to 17
+    tokens, each after the ones before it (chunked prefill, a cached prefix): the chunks cut the
+    prompt into other query tiles, and each row's sums run in the same order either way."""
+    query, key_cache, value_cache, tables, _, context_lens = _prefill_inputs(
         [(45, 45)], 16, 64, group, torch.float32
     )
-    whole = ops.paged_attention_prefill(
+    chunks = [2, 3, 5, 7, 11, 17]
+    ends = torch.tensor(chunks).cumsum(0).to(torch.int32)
+    ext = cpu_extension()
+    whole = ext.paged_attention(
         query,
         key_cache,
         value_cache,
         tables,
-        torch.tensor([0, 45], dtype=torch.int32),
         context_lens,
+        torch.tensor([0, 45], dtype=torch.int32),
         0.125,
+        window,
+        vector_floats,
     )
-    one_each = ops.paged_attention_prefill(
+    chunked = ext.paged_attention(
         query,
         key_cache,
         value_cache,
-        tables.expand(45, -1).contiguous(),
-        torch.arange(46, dtype=torch.int32),
-        torch.arange(1, 46, dtype=torch.int32),
+        tables.expand(len(chunks), -1).contiguous(),
+        ends,
+        torch.cat([torch.zeros(1, dtype=torch.int32), ends]),
         0.125,
+        window,
+        vector_floats,
     )
-    assert torch.equal(whole, one_each)
+    assert torch.equal(whole, chunked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 5, 40])
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "group"), [(8, 40, 3), (16, 64, 3), (32, 128, 4)]
+)
+def test_prefill_on_8_float_vectors_matches_reference(
+    block_size: int, head_dim: int, group: int, window: int, dtype: torch.dtype
+) -> None:
+    """The 8-float tile path, which AVX-512 machines take only for head sizes that are not a
+    multiple of 16 (40 here) and which AVX2 machines take for all."""
+    seqs = [(1, 1), (37, 37), (300, 9), (50, 1), (200, 130), (5, 0)]
+    args = _prefill_inputs(seqs, block_size, head_dim, group, dtype)
+    query, key_cache, value_cache, tables, query_start_loc, context_lens = args
+    out = cpu_extension().paged_attention(
+        query, key_cache, value_cache, tables, context_lens, query_start_loc, 0.125, window, 8
+    )
+    expected = reference.paged_attention_prefill(*args, 0.125, sliding_window=window)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
 def test_decode_reads_strided_query() -> None:

@@ -58,7 +58,7 @@ at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& context_lens,
                            const std::optional<at::Tensor>& query_start_loc, double scale,
-                           int64_t sliding_window) {
+                           int64_t sliding_window, int64_t vector_floats = 0) {
   check_attention_inputs(query_in, key_cache, value_cache, block_tables, context_lens,
                          query_start_loc);
   const at::Tensor query = rows_contiguous(query_in) ? query_in : query_in.contiguous();
@@ -81,7 +81,7 @@ at::Tensor paged_attention_op(const at::Tensor& query_in, const at::Tensor& key_
   p.max_num_blocks_per_seq = block_tables.size(1);
   p.sliding_window = sliding_window;
   p.scale = static_cast<float>(scale);
-  cpu::paged_attention(query.scalar_type(), key_cache.scalar_type(), p);
+  cpu::paged_attention(query.scalar_type(), key_cache.scalar_type(), p, vector_floats);
   return out;
 }
 
@@ -328,9 +328,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &pagedserve::cpu::paged_attention_op, NoGil(), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("query_start_loc"), py::arg("scale"),
-        py::arg("sliding_window") = 0,
+        py::arg("sliding_window") = 0, py::arg("vector_floats") = 0,
         "query_start_loc None: one query token per sequence (decode); sliding_window > 0: "
-        "each token sees that many positions, itself included");
+        "each token sees that many positions, itself included; vector_floats 8 keeps prompts on "
+        "8-float vectors where the CPU has 16 (tests)");
   m.def("linear", &pagedserve::cpu::linear_op, NoGil(), py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("out_features"), py::arg("vector_floats") = 0,
         "x W^T + b with W packed in panels (layer_ops.pack_linear_weight); vector_floats 8 "

@@ -30,8 +30,10 @@ struct AttentionParams {
 // Causal attention of each sequence's new tokens over its context, read in place through the
 // block table; parallel over (sequence, kv head, tile of new tokens) on torch's intra-op threads.
 // out has query's dtype: the caches' or float32 (fp32 activations over a 16-bit cache).
+// vector_floats 8 keeps prompts on 8-float vectors where the CPU has 16 (tests, benchmarks);
+// anything else, the widest the head size allows.
 void paged_attention(c10::ScalarType query_dtype, c10::ScalarType cache_dtype,
-                     const AttentionParams& params);
+                     const AttentionParams& params, int64_t vector_floats = 0);
 
 // Output features per panel of a packed linear weight (layer_ops.LINEAR_PANEL).
 constexpr int64_t kLinearPanel = 32;

@@ -42,28 +42,11 @@ constexpr int64_t kPiecePanels = 2;    // panels per piece of work handed to a t
 constexpr int64_t kPrefetchPanels = 4;  // how far ahead panels are prefetched (the best
                                         // distance timed: bench/RESULTS.md)
 
-using vfloat16 = float __attribute__((vector_size(64)));
-
-template <typename V>
-constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-
 template <typename V>
 constexpr int kVectors = kLinearPanel / kLanes<V>;  // vectors per panel row
 
 template <typename V>
 constexpr int kBlockRows = kLanes<V> == 16 ? 8 : 3;
-
-template <typename V>
-PAGEDSERVE_INLINE V load_as(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <typename V>
-PAGEDSERVE_INLINE void store_as(float* p, V v) {
-  std::memcpy(p, &v, sizeof(v));
-}
 
 // 16-bit vectors of N lanes, and 32-bit ones as wide (a vector_size may not depend on a
 // template parameter).
@@ -271,7 +254,6 @@ PAGEDSERVE_CPU_CLONES void piece_narrow_half(const LinearParams& p, int64_t m0, 
 }
 
 #ifdef PAGEDSERVE_CPU_CLONES_X86
-#define PAGEDSERVE_X86_64_V4 __attribute__((target("arch=x86-64-v4")))
 PAGEDSERVE_X86_64_V4 void piece_wide_float(const LinearParams& p, int64_t m0, int64_t m1,
                                            int64_t first, int64_t end, float* wide) {
   piece<vfloat16, float>(p, m0, m1, first, end, wide);
@@ -299,13 +281,7 @@ float* widening_buffer(int64_t floats) {
 // 16-float vectors where the CPU has them, unless the caller asks for 8.
 PieceFn pick_piece(c10::ScalarType weight_dtype, int64_t vector_floats) {
 #ifdef PAGEDSERVE_CPU_CLONES_X86
-  // x86-64-v4's features one by one: not every GCC takes the level's name here.
-  static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
-                                 __builtin_cpu_supports("avx512bw") &&
-                                 __builtin_cpu_supports("avx512cd") &&
-                                 __builtin_cpu_supports("avx512dq") &&
-                                 __builtin_cpu_supports("avx512vl");
-  if (has_avx512 && vector_floats != 8) {
+  if (cpu_has_avx512() && vector_floats != 8) {
     switch (weight_dtype) {
       case c10::ScalarType::BFloat16: return piece_wide_bfloat16;
       case c10::ScalarType::Half: return piece_wide_half;

@@ -27,9 +27,22 @@
 // diagonal) go through it together, each load of a key or a value serving both; each row's
 // arithmetic is the same as alone, so its result does not depend on its partner.
 //
+// That is the row path, which decode (one new token per sequence) takes. A prompt of two tokens
+// or more takes the tile path instead: the item's rows (tokens x group heads of one kv head) lie
+// in vector lanes, row r in lane r % L of vector r / L, and a block is two small matrix products
+// with no horizontal sums:
+//
+//   logits   s[j][r]   = sum_d qt[d][r] k[j][d]     k[j][d] broadcast against L rows' queries
+//   softmax  lane-wise, position by position: the block's max, the exponentials, their sums
+//   values   acc[r][:] += sum_j s[j][r] v[j][:]     s[j][r] broadcast against a row of values
+//
+// The transposed queries qt are built once per item; each row's sums run in position and
+// head-dimension order whichever rows share its tile, so a token's result does not depend on how
+// its prompt was cut into chunks. Where the CPU has AVX-512 and the head size is a multiple of
+// 16, the tile path runs on 16-float vectors.
+//
 // Items are sorted by cost (rows x positions seen) and handed out one at a time from a shared
-// counter, so the threads stay busy when sequences differ in length. Decode is the case of one
-// new token per sequence.
+// counter, so the threads stay busy when sequences differ in length.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -62,6 +75,11 @@ constexpr int64_t kMinItemsPerThread = 4;
 // Context positions a part reads at least: its unnormalised result costs a merge.
 constexpr int64_t kMinPartPositions = 64;
 
+// Lanes of the widest vector: a tile's rows are padded to a multiple of it.
+constexpr int64_t kMaxLanes = 16;
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 struct WorkItem {
   int64_t seq;
   int64_t first_kv_head;
@@ -72,6 +90,7 @@ struct WorkItem {
   int64_t begin;        // context positions [begin, end) read; begin on a block boundary
   int64_t end;
   int64_t part;  // decode only: slot of its unnormalised result among the partials; -1: none
+  bool tile;     // of a prompt of two tokens or more (one kv head): the tile path
 
   int64_t cost() const { return num_kv_heads * num_tokens * (end - begin); }
 };
@@ -92,28 +111,34 @@ struct Plan {
 // Floats of one part's result: every head's accumulator, then the heads' max and sum.
 int64_t part_floats(const AttentionParams& p) { return p.num_heads * (p.head_dim + 2); }
 
-// One thread's fp32 working set for items of up to max_rows query rows.
+// One thread's fp32 working set for items of up to max_rows query rows (the tile path pads them
+// to whole vectors).
 class Scratch {
  public:
   Scratch(const AttentionParams& p, int64_t max_rows)
-      : buffer_(static_cast<size_t>(max_rows * (2 * p.head_dim + 2) +
-                                    (2 * p.head_dim + 2) * p.block_size)) {
+      : buffer_(static_cast<size_t>(round_up(max_rows, kMaxLanes) * (2 * p.head_dim + 3) +
+                                    (round_up(max_rows, kMaxLanes) + 2 * p.head_dim) *
+                                        p.block_size)) {
+    const int64_t rows = round_up(max_rows, kMaxLanes);
     float* next = buffer_.data();
     auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
-    q = take(max_rows * p.head_dim);
-    acc = take(max_rows * p.head_dim);
-    max = take(max_rows);
-    sum = take(max_rows);
-    logits = take(2 * p.block_size);
+    q = take(rows * p.head_dim);
+    acc = take(rows * p.head_dim);
+    max = take(rows);
+    sum = take(rows);
+    pos = take(rows);
+    logits = take(rows * p.block_size);
     keys = take(p.block_size * p.head_dim);
     values = take(p.block_size * p.head_dim);
   }
 
-  float* q;       // [rows, head_dim], scaled queries
+  float* q;       // [rows, head_dim], scaled queries; the tile path's [head_dim, rows]
   float* acc;     // [rows, head_dim], unnormalised outputs
   float* max;     // [rows], running max logit
   float* sum;     // [rows], running sum of exponentials
-  float* logits;  // [2, block_size], two rows' logits in one block, then their exponentials
+  float* pos;     // [rows], the tile path's row positions (-1: padding)
+  float* logits;  // row path: [2, block_size], two rows' logits in one block, then their
+                  // exponentials; tile path: [block_size, rows], likewise
   float* keys;    // [block_size, head_dim], one block's keys as fp32 (non-fp32 caches only)
   float* values;  // [block_size, head_dim], likewise for values
 
@@ -333,11 +358,12 @@ PAGEDSERVE_INLINE NextBlockPrefetch<T> block_prefetch(const AttentionParams& p,
                               item.num_kv_heads * p.head_dim, slices);
 }
 
-// `following`: the item a thread is likely to take next (its first block is prefetched during
-// this item's last), or nullptr. Q: the query's and output's type, T: the caches'.
+// The row path. `following`: the item a thread is likely to take next (its first block is
+// prefetched during this item's last), or nullptr. Q: the query's and output's type, T: the
+// caches'.
 template <typename Q, typename T>
-PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, const Scratch& s,
-                              float* partials, const WorkItem* following) {
+PAGEDSERVE_INLINE void attend_rows(const AttentionParams& p, const WorkItem& item,
+                                   const Scratch& s, float* partials, const WorkItem* following) {
   const int64_t dim = p.head_dim, block_size = p.block_size;
   const int64_t group = p.num_heads / p.num_kv_heads, rows = item.num_tokens * group;
   const int64_t kv_token_stride = p.num_kv_heads * dim;
@@ -427,33 +453,288 @@ PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, co
   }
 }
 
+// Register blocks of the tile path: row vectors x keys for the logits, rows x up to four vectors
+// of the head for the values (AVX2 has 16 vector registers, AVX-512 32).
+template <typename V>
+struct TileBlocks;
+template <>
+struct TileBlocks<vfloat> {
+  static constexpr int kKeys = 4, kValueRows = 2;
+};
+template <>
+struct TileBlocks<vfloat16> {
+  static constexpr int kKeys = 8, kValueRows = 4;
+};
+
+// logits[j][lanes of vectors v0 .. v0 + NV) = q . k_j for j in [j0, j0 + NJ); qt: [dim, padded].
+template <typename V, int NV, int NJ>
+PAGEDSERVE_INLINE void tile_logits_block(const float* qt, int64_t padded, Rows keys, int64_t j0,
+                                         int64_t v0, int64_t dim, float* logits) {
+  constexpr int64_t L = kLanes<V>;
+  V acc[NJ][NV] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    V q[NV];
+    for (int n = 0; n < NV; ++n) q[n] = load_as<V>(qt + d * padded + (v0 + n) * L);
+    for (int k = 0; k < NJ; ++k) {
+      const float key = keys[j0 + k][d];
+      for (int n = 0; n < NV; ++n) acc[k][n] += q[n] * key;
+    }
+  }
+  for (int k = 0; k < NJ; ++k) {
+    for (int n = 0; n < NV; ++n) store_as(logits + (j0 + k) * padded + (v0 + n) * L, acc[k][n]);
+  }
+}
+
+// logits[j][r] for j < len and the rows of vectors [first_vector, padded / L), two vectors at a
+// time; a slice of the next block's prefetch per block of keys.
+template <typename V, typename T>
+PAGEDSERVE_INLINE void tile_logits(const float* qt, int64_t padded, int64_t first_vector,
+                                   Rows keys, int64_t len, int64_t dim, float* logits,
+                                   NextBlockPrefetch<T>& prefetch) {
+  constexpr int64_t L = kLanes<V>;
+  constexpr int NJ = TileBlocks<V>::kKeys;
+  const int64_t vectors = padded / L;
+  for (int64_t v = first_vector; v < vectors; v += 2) {
+    const bool pair = v + 1 < vectors;
+    int64_t j = 0;
+    for (; j + NJ <= len; j += NJ) {
+      prefetch.next_slice();
+      if (pair) {
+        tile_logits_block<V, 2, NJ>(qt, padded, keys, j, v, dim, logits);
+      } else {
+        tile_logits_block<V, 1, NJ>(qt, padded, keys, j, v, dim, logits);
+      }
+    }
+    for (; j < len; ++j) {
+      if (pair) {
+        tile_logits_block<V, 2, 1>(qt, padded, keys, j, v, dim, logits);
+      } else {
+        tile_logits_block<V, 1, 1>(qt, padded, keys, j, v, dim, logits);
+      }
+    }
+  }
+}
+
+// Folds the block's logits (positions start + j, j < len) into each row's running max and sum,
+// rescales the accumulators of rows whose max moved, and leaves in logits the weights of the
+// value pass. Masked: a row's weight is 0 where it may not see the position (after its own, or
+// before its sliding window of `window` positions; pos: the rows' positions).
+template <typename V, bool kMasked>
+PAGEDSERVE_INLINE void tile_softmax(float* logits, int64_t padded, int64_t first_vector,
+                                    int64_t len, int64_t start, int64_t window, const Scratch& s,
+                                    int64_t dim) {
+  constexpr int64_t L = kLanes<V>;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (int64_t v = first_vector; v < padded / L; ++v) {
+    float* column = logits + v * L;
+    const V row_pos = load_as<V>(s.pos + v * L);
+    V block_max = V{} - kInf;
+    for (int64_t j = 0; j < len; ++j) {
+      V x = load_as<V>(column + j * padded);
+      if constexpr (kMasked) {
+        const float at = static_cast<float>(start + j);
+        auto visible = row_pos >= at;
+        if (window > 0) visible &= row_pos < at + static_cast<float>(window);
+        x = visible ? x : V{} - kInf;
+        store_as(column + j * padded, x);
+      }
+      block_max = vmax(block_max, x);
+    }
+    const V old_max = load_as<V>(s.max + v * L);
+    const V new_max = vmax(old_max, block_max);
+    // Lanes with nothing seen yet have both at -inf: their difference is NaN, selected away.
+    const V correction = new_max == old_max ? V{} + 1.0f : exp_nonpositive(old_max - new_max);
+    V block_sum = {};
+    for (int64_t j = 0; j < len; ++j) {
+      const V x = load_as<V>(column + j * padded);
+      V e = exp_nonpositive(x - new_max);
+      if constexpr (kMasked) e = x == V{} - kInf ? V{} : e;
+      store_as(column + j * padded, e);
+      block_sum += e;
+    }
+    store_as(s.sum + v * L, load_as<V>(s.sum + v * L) * correction + block_sum);
+    store_as(s.max + v * L, new_max);
+    float factors[L];
+    store_as(factors, correction);
+    for (int64_t l = 0; l < L; ++l) {
+      if (factors[l] == 1.0f) continue;
+      float* acc = s.acc + (v * L + l) * dim;
+      for (int64_t d = 0; d < dim; d += L) store_as(acc + d, load_as<V>(acc + d) * factors[l]);
+    }
+  }
+}
+
+// acc[r][d0, d0 + C * L) += sum_j weights[j][r] values[j][same range] for rows [r0, r0 + NR).
+template <typename V, int NR, int C>
+PAGEDSERVE_INLINE void tile_values_block(const float* weights, int64_t padded, Rows values,
+                                         int64_t len, int64_t r0, int64_t d0, int64_t dim,
+                                         float* acc) {
+  constexpr int64_t L = kLanes<V>;
+  V a[NR][C];
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < C; ++c) a[i][c] = load_as<V>(acc + (r0 + i) * dim + d0 + c * L);
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = values[j] + d0;
+    const float* w = weights + j * padded + r0;
+    for (int c = 0; c < C; ++c) {
+      const V x = load_as<V>(v + c * L);
+      for (int i = 0; i < NR; ++i) a[i][c] += x * w[i];
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < C; ++c) store_as(acc + (r0 + i) * dim + d0 + c * L, a[i][c]);
+  }
+}
+
+// acc[r] += sum_j weights[j][r] values[j] for rows [first_row, padded), in register blocks.
+template <typename V>
+PAGEDSERVE_INLINE void tile_values(const float* weights, int64_t padded, int64_t first_row,
+                                   Rows values, int64_t len, int64_t dim, float* acc) {
+  constexpr int64_t L = kLanes<V>;
+  constexpr int NR = TileBlocks<V>::kValueRows;  // divides L, and so padded
+  for (int64_t r = first_row / NR * NR; r < padded; r += NR) {
+    int64_t d = 0;
+    for (; d + 4 * L <= dim; d += 4 * L) {
+      tile_values_block<V, NR, 4>(weights, padded, values, len, r, d, dim, acc);
+    }
+    if (d + 2 * L <= dim) {
+      tile_values_block<V, NR, 2>(weights, padded, values, len, r, d, dim, acc);
+      d += 2 * L;
+    }
+    if (d < dim) tile_values_block<V, NR, 1>(weights, padded, values, len, r, d, dim, acc);
+  }
+}
+
+// The tile path, for an item of one kv head (head_dim a multiple of V's lanes).
+template <typename V, typename Q, typename T>
+PAGEDSERVE_INLINE void attend_tile(const AttentionParams& p, const WorkItem& item,
+                                   const Scratch& s, const WorkItem* following) {
+  constexpr int64_t L = kLanes<V>;
+  const int64_t dim = p.head_dim, block_size = p.block_size;
+  const int64_t group = p.num_heads / p.num_kv_heads, rows = item.num_tokens * group;
+  const int64_t padded = round_up(rows, L);
+  const int64_t head_offset = item.first_kv_head * group * dim;
+  const Q* query = static_cast<const Q*>(p.query);
+  // Row r = t * group + g: tile token t, group head g; qt[d][r].
+  for (int64_t r = 0; r < padded; ++r) {
+    if (r >= rows) {
+      for (int64_t d = 0; d < dim; ++d) s.q[d * padded + r] = 0.0f;
+      s.pos[r] = -1.0f;
+      continue;
+    }
+    const Q* src = query + (item.first_token + r / group) * p.query_token_stride + head_offset +
+                   r % group * dim;
+    for (int64_t d = 0; d < dim; ++d) s.q[d * padded + r] = static_cast<float>(src[d]) * p.scale;
+    s.pos[r] = static_cast<float>(item.first_pos + r / group);
+  }
+  std::fill(s.acc, s.acc + padded * dim, 0.0f);
+  std::fill(s.max, s.max + padded, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum, s.sum + padded, 0.0f);
+
+  constexpr int NJ = TileBlocks<V>::kKeys;
+  const int64_t slices = (padded / L + 1) / 2 * ((block_size + NJ - 1) / NJ);
+  const int64_t last_pos = item.first_pos + item.num_tokens - 1;
+  for (int64_t start = item.begin; start < item.end; start += block_size) {
+    const int64_t len = std::min(block_size, item.end - start);
+    NextBlockPrefetch<T> prefetch;
+    if (start + block_size < item.end) {
+      prefetch = block_prefetch<T>(p, item, start / block_size + 1, slices);
+    } else if (following != nullptr) {
+      prefetch = block_prefetch<T>(p, *following, following->begin / block_size, slices);
+    }
+    const int64_t offset = block_offset(p, item, start / block_size);
+    const int64_t stride = p.num_kv_heads * dim;
+    const Rows keys =
+        as_float_rows(static_cast<const T*>(p.key_cache) + offset, stride, len, dim, s.keys);
+    const Rows values =
+        as_float_rows(static_cast<const T*>(p.value_cache) + offset, stride, len, dim, s.values);
+    // Rows before first_row see none of the block; with every row seeing all of it, no mask.
+    const int64_t first_row = std::max<int64_t>(0, start - item.first_pos) * group;
+    const bool masked = start + len - 1 > item.first_pos || window_skip(p, last_pos, start) > 0;
+    tile_logits<V>(s.q, padded, first_row / L, keys, len, dim, s.logits, prefetch);
+    if (masked) {
+      tile_softmax<V, true>(s.logits, padded, first_row / L, len, start, p.sliding_window, s,
+                            dim);
+    } else {
+      tile_softmax<V, false>(s.logits, padded, 0, len, start, 0, s, dim);
+    }
+    tile_values<V>(s.logits, padded, first_row, values, len, dim, s.acc);
+  }
+
+  Q* out = static_cast<Q*>(p.out) + item.first_token * p.num_heads * dim + head_offset;
+  for (int64_t r = 0; r < rows; ++r) {
+    Q* dst = out + r / group * p.num_heads * dim + r % group * dim;
+    store_scaled(s.acc + r * dim, 1.0f / s.sum[r], dst, dim);
+  }
+}
+
+// V: the tile path's vectors.
+template <typename V, typename Q, typename T>
+PAGEDSERVE_INLINE void attend(const AttentionParams& p, const WorkItem& item, const Scratch& s,
+                              float* partials, const WorkItem* following) {
+  if (item.tile) {
+    attend_tile<V, Q, T>(p, item, s, following);
+  } else {
+    attend_rows<Q, T>(p, item, s, partials, following);
+  }
+}
+
 // One clone set per (query, cache) dtype pair: the loader picks the widest instruction set the
-// machine has.
+// machine has; AVX-512 machines run the _wide variants where the head size allows.
 PAGEDSERVE_CPU_CLONES void attend_float(const AttentionParams& p, const WorkItem& item,
                                         const Scratch& s, float* partials,
                                         const WorkItem* following) {
-  attend<float, float>(p, item, s, partials, following);
+  attend<vfloat, float, float>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_bfloat16(const AttentionParams& p, const WorkItem& item,
                                            const Scratch& s, float* partials,
                                            const WorkItem* following) {
-  attend<c10::BFloat16, c10::BFloat16>(p, item, s, partials, following);
+  attend<vfloat, c10::BFloat16, c10::BFloat16>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_half(const AttentionParams& p, const WorkItem& item,
                                        const Scratch& s, float* partials,
                                        const WorkItem* following) {
-  attend<c10::Half, c10::Half>(p, item, s, partials, following);
+  attend<vfloat, c10::Half, c10::Half>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_float_bfloat16(const AttentionParams& p, const WorkItem& item,
                                                  const Scratch& s, float* partials,
                                                  const WorkItem* following) {
-  attend<float, c10::BFloat16>(p, item, s, partials, following);
+  attend<vfloat, float, c10::BFloat16>(p, item, s, partials, following);
 }
 PAGEDSERVE_CPU_CLONES void attend_float_half(const AttentionParams& p, const WorkItem& item,
                                              const Scratch& s, float* partials,
                                              const WorkItem* following) {
-  attend<float, c10::Half>(p, item, s, partials, following);
+  attend<vfloat, float, c10::Half>(p, item, s, partials, following);
 }
+
+#ifdef PAGEDSERVE_X86_64_V4
+PAGEDSERVE_X86_64_V4 void attend_float_wide(const AttentionParams& p, const WorkItem& item,
+                                            const Scratch& s, float* partials,
+                                            const WorkItem* following) {
+  attend<vfloat16, float, float>(p, item, s, partials, following);
+}
+PAGEDSERVE_X86_64_V4 void attend_bfloat16_wide(const AttentionParams& p, const WorkItem& item,
+                                               const Scratch& s, float* partials,
+                                               const WorkItem* following) {
+  attend<vfloat16, c10::BFloat16, c10::BFloat16>(p, item, s, partials, following);
+}
+PAGEDSERVE_X86_64_V4 void attend_half_wide(const AttentionParams& p, const WorkItem& item,
+                                           const Scratch& s, float* partials,
+                                           const WorkItem* following) {
+  attend<vfloat16, c10::Half, c10::Half>(p, item, s, partials, following);
+}
+PAGEDSERVE_X86_64_V4 void attend_float_bfloat16_wide(const AttentionParams& p, const WorkItem& item,
+                                                     const Scratch& s, float* partials,
+                                                     const WorkItem* following) {
+  attend<vfloat16, float, c10::BFloat16>(p, item, s, partials, following);
+}
+PAGEDSERVE_X86_64_V4 void attend_float_half_wide(const AttentionParams& p, const WorkItem& item,
+                                                 const Scratch& s, float* partials,
+                                                 const WorkItem* following) {
+  attend<vfloat16, float, c10::Half>(p, item, s, partials, following);
+}
+#endif
 
 // out = the parts' accumulators at their common max over their sums at that max.
 template <typename T>
@@ -514,7 +795,7 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
       for (int64_t i = 0; i < split.num_parts; ++i) {
         out.items.push_back({seq, 0, p.num_kv_heads, begin, 1, context_len - 1,
                              base + i * part_len, std::min(context_len, base + (i + 1) * part_len),
-                             out.num_parts++});
+                             out.num_parts++, false});
       }
       out.splits.push_back(split);
       continue;
@@ -525,7 +806,7 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
         const int64_t first_pos = context_len - q_len + t;
         out.items.push_back({seq, kv_head, std::min(heads_per_item, p.num_kv_heads - kv_head),
                              begin + t, tokens, first_pos, window_begin(p, first_pos),
-                             first_pos + tokens, -1});
+                             first_pos + tokens, -1, q_len > 1});
       }
     }
   }
@@ -537,29 +818,40 @@ Plan plan(const AttentionParams& p, int64_t tile_tokens, int64_t heads_per_item,
 }  // namespace
 
 void paged_attention(c10::ScalarType query_dtype, c10::ScalarType cache_dtype,
-                     const AttentionParams& params) {
+                     const AttentionParams& params, int64_t vector_floats) {
   using AttendFn =
       void (*)(const AttentionParams&, const WorkItem&, const Scratch&, float*, const WorkItem*);
   using MergeFn = void (*)(const AttentionParams&, const Split&, const float*);
   using c10::ScalarType;
-  AttendFn attend_item = nullptr;
+  struct Variants {
+    AttendFn narrow, wide;
+  };
+  Variants variants{nullptr, nullptr};
   MergeFn merge = nullptr;
+#ifdef PAGEDSERVE_X86_64_V4
+#define PAGEDSERVE_VARIANTS(name) Variants{attend_##name, attend_##name##_wide}
+#else
+#define PAGEDSERVE_VARIANTS(name) Variants{attend_##name, attend_##name}
+#endif
   if (query_dtype == ScalarType::Float) {
     merge = merge_parts<float>;
-    attend_item = cache_dtype == ScalarType::BFloat16 ? attend_float_bfloat16
-                  : cache_dtype == ScalarType::Half   ? attend_float_half
-                  : cache_dtype == ScalarType::Float  ? attend_float
-                                                      : nullptr;
+    variants = cache_dtype == ScalarType::BFloat16 ? PAGEDSERVE_VARIANTS(float_bfloat16)
+               : cache_dtype == ScalarType::Half   ? PAGEDSERVE_VARIANTS(float_half)
+               : cache_dtype == ScalarType::Float  ? PAGEDSERVE_VARIANTS(float)
+                                                   : variants;
   } else if (query_dtype == cache_dtype && query_dtype == ScalarType::BFloat16) {
-    attend_item = attend_bfloat16;
+    variants = PAGEDSERVE_VARIANTS(bfloat16);
     merge = merge_parts<c10::BFloat16>;
   } else if (query_dtype == cache_dtype && query_dtype == ScalarType::Half) {
-    attend_item = attend_half;
+    variants = PAGEDSERVE_VARIANTS(half);
     merge = merge_parts<c10::Half>;
   }
-  TORCH_CHECK(attend_item != nullptr,
+#undef PAGEDSERVE_VARIANTS
+  TORCH_CHECK(variants.narrow != nullptr,
               "paged attention takes float32, float16 or bfloat16 caches, with queries of the "
               "caches' dtype or float32; got ", query_dtype, " queries, ", cache_dtype, " caches");
+  const bool wide = cpu_has_avx512() && vector_floats != 8 && params.head_dim % 16 == 0;
+  const AttendFn attend_item = wide ? variants.wide : variants.narrow;
   const int64_t group = params.num_heads / params.num_kv_heads;
   const int64_t threads = at::get_num_threads();
   const bool decode = !params.query_start_loc;

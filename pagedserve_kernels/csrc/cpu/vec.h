@@ -43,6 +43,55 @@ using vfloat = float __attribute__((vector_size(32)));
 using vint = int32_t __attribute__((vector_size(32)));
 constexpr int64_t kWidth = 8;  // floats per vfloat
 
+// 16 floats: one AVX-512 register, for code built for x86-64-v4 (PAGEDSERVE_X86_64_V4) and
+// picked at run time where cpu_has_avx512().
+using vfloat16 = float __attribute__((vector_size(64)));
+using vint16 = int32_t __attribute__((vector_size(64)));
+
+// int32 lanes as many as V's float lanes (a vector_size may not depend on a template parameter).
+template <typename V>
+struct IntLanes;
+template <>
+struct IntLanes<vfloat> {
+  using type = vint;
+};
+template <>
+struct IntLanes<vfloat16> {
+  using type = vint16;
+};
+
+template <typename V>
+constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+
+#ifdef PAGEDSERVE_CPU_CLONES_X86
+#define PAGEDSERVE_X86_64_V4 __attribute__((target("arch=x86-64-v4")))
+#endif
+
+// Whether this CPU runs x86-64-v4 code. Its features one by one: not every GCC takes the level's
+// name here.
+inline bool cpu_has_avx512() {
+#ifdef PAGEDSERVE_CPU_CLONES_X86
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512cd") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+#else
+  return false;
+#endif
+}
+
+template <typename V>
+PAGEDSERVE_INLINE V load_as(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+
+template <typename V>
+PAGEDSERVE_INLINE void store_as(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
 PAGEDSERVE_INLINE vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof(v));  // unaligned load
@@ -57,7 +106,10 @@ PAGEDSERVE_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v))
 // the scalar instead, which is one broadcast.
 PAGEDSERVE_INLINE vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x}; }
 
-PAGEDSERVE_INLINE vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+template <typename V>
+PAGEDSERVE_INLINE V vmax(V a, V b) {
+  return a > b ? a : b;
+}
 
 PAGEDSERVE_INLINE float hsum(vfloat v) {
   float s = 0.0f;
@@ -88,15 +140,16 @@ PAGEDSERVE_INLINE vfloat transpose_sums(const vfloat* x) {
 // e^x for x <= 0, within about 2 ulp; inputs below -87 give e^-87 (~1.6e-38), not 0.
 // x = k ln2 + r with |r| <= ln2 / 2, e^x = 2^k e^r, e^r from its Taylor series to r^7
 // (truncation error below 6e-9 relative), 2^k built in the exponent bits.
-PAGEDSERVE_INLINE vfloat exp_nonpositive(vfloat x) {
+template <typename V>
+PAGEDSERVE_INLINE V exp_nonpositive(V x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 split so that k * kLn2Hi is exact
   constexpr float kLn2Lo = 1.42860682030941723e-6f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = vmax(x, splat(-87.0f));
-  const vfloat k = (x * kLog2e + kRound) - kRound;
-  const vfloat r = (x - k * kLn2Hi) - k * kLn2Lo;
-  vfloat p = splat(1.0f / 5040.0f);
+  x = vmax(x, V{} - 87.0f);
+  const V k = (x * kLog2e + kRound) - kRound;
+  const V r = (x - k * kLn2Hi) - k * kLn2Lo;
+  V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -104,8 +157,9 @@ PAGEDSERVE_INLINE vfloat exp_nonpositive(vfloat x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const vint bits = (__builtin_convertvector(k, vint) + 127) << 23;
-  vfloat two_k;
+  using VI = typename IntLanes<V>::type;
+  const VI bits = (__builtin_convertvector(k, VI) + 127) << 23;
+  V two_k;
   std::memcpy(&two_k, &bits, sizeof(two_k));
   return p * two_k;
 }
