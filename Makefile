@@ -59,6 +59,7 @@ bench: install
 		--json $(RES)/dtypes_alpaca.json
 	$(PY) bench/kernels.py --json $(RES)/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/linear_cpu.json
+	$(PY) bench/prefill_attention.py --json $(RES)/prefill_attention_cpu.json
 
 # Full: hours on a 2-core CPU machine.
 bench-full: install
@@ -87,6 +88,7 @@ bench-full: install
 		--window 512 --num-gpu-blocks 768 --json $(RES)/full/sliding_window.json
 	$(PY) bench/kernels.py --json $(RES)/full/$(KERNELS_JSON)
 	$(PY) bench/linear.py --json $(RES)/full/linear_cpu.json
+	$(PY) bench/prefill_attention.py --min-run-time 1 --json $(RES)/full/prefill_attention_cpu.json
 
 # Fault suite (issue 30): about 10 minutes on 2 cores; the table on stdout and in
 # bench/results/faults.json. FAULTS_ARGS="--soak-minutes 30" adds the soak, "--model
