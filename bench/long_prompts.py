@@ -6,9 +6,11 @@ thousands of tokens arrive one after another. Without chunking each long prompt 
 prefill step that stalls every stream for its whole length; with it the prompt shares each
 step's token budget with the decodes. Reported per setting: the streams' inter-token
 latency (p50, p99, max) and time per output token while the long prompts were in the
-server, and each long prompt's time to first token. The setting ``vllm`` sends the same
-requests to vLLM's OpenAI server (its own defaults, chunked prefill included) from
---vllm-python's venv:
+server, and each long prompt's time to first token. Inter-token latency is counted between
+events, as vLLM's benchmark counts it (a server may send several tokens in one event); time
+per output token between tokens (each event's are counted from its logprobs). The setting
+``vllm`` sends the same requests to vLLM's OpenAI server (its own defaults, chunked prefill
+included) from --vllm-python's venv:
 
     python bench/long_prompts.py --long-lens 2000,4000,8000 --settings off,512,2048,vllm \\
         --vllm-python ~/vllm-venv/bin/python --json bench/results/long_prompts.json
@@ -38,16 +40,21 @@ from bench.launch import NO_VLLM, pagedserve_server, vllm_server
 from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 
 
-async def stream(client: httpx.AsyncClient, payload: dict, times: list[float]) -> None:
-    """POST a streaming completion, appending the arrival time of each chunk with a token
-    to ``times`` (kept when the task is cancelled part-way)."""
+async def stream(client: httpx.AsyncClient, payload: dict, events: list[tuple[float, int]]) -> None:
+    """POST a streaming completion, appending (arrival time, tokens) of each event with a token
+    to ``events`` (kept when the task is cancelled part-way); the tokens are counted from the
+    event's logprobs, 1 without them."""
     async with client.stream("POST", "/v1/completions", json=payload) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")[:200]
             raise RuntimeError(f"HTTP {response.status_code}: {body}")
         async for line in response.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                times.append(time.perf_counter())
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices")
+            if choices:
+                logprobs = choices[0].get("logprobs") or {}
+                events.append((time.perf_counter(), len(logprobs.get("tokens") or [None])))
 
 
 async def run_setting(url: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -62,19 +69,19 @@ async def run_setting(url: str, args: argparse.Namespace, name: str) -> dict[str
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         base["model"] = (await client.get("/v1/models")).json()["data"][0]["id"]
         await stream(client, base | {"prompt": prompt(8), "max_tokens": 4}, [])  # warm-up
-        stream_times: list[list[float]] = [[] for _ in range(args.streams)]
-        payload = base | {"max_tokens": args.max_model_len - args.stream_prompt}
+        stream_events: list[list[tuple[float, int]]] = [[] for _ in range(args.streams)]
+        payload = base | {"max_tokens": args.max_model_len - args.stream_prompt, "logprobs": 0}
         streams = [
             asyncio.create_task(stream(client, payload | {"prompt": prompt(args.stream_prompt)}, t))
-            for t in stream_times
+            for t in stream_events
         ]
         await asyncio.sleep(args.lead)
         window_start, ttfts = time.perf_counter(), []
         with progress(len(args.long_lens), f"{name}: long prompts") as bar:
             for n in args.long_lens:
-                sent, times = time.perf_counter(), []
-                await stream(client, base | {"prompt": prompt(n), "max_tokens": 4}, times)
-                ttfts.append(times[0] - sent)
+                sent, events = time.perf_counter(), []
+                await stream(client, base | {"prompt": prompt(n), "max_tokens": 4}, events)
+                ttfts.append(events[0][0] - sent)
                 bar.update(1)
                 await asyncio.sleep(args.gap)
         window = (window_start, time.perf_counter())
@@ -84,25 +91,31 @@ async def run_setting(url: str, args: argparse.Namespace, name: str) -> dict[str
         await asyncio.gather(*streams, return_exceptions=True)
     if failed:
         raise RuntimeError(f"a stream failed: {failed[0]!r}")
-    return summarize(stream_times, ttfts, window)
+    return summarize(stream_events, ttfts, window)
 
 
 def summarize(
-    stream_times: list[list[float]], ttfts: list[float], window: tuple[float, float]
+    stream_events: list[list[tuple[float, int]]],
+    ttfts: list[float],
+    window: tuple[float, float],
 ) -> dict[str, Any]:
-    """The streams' gaps between tokens inside the window, and the long prompts' TTFTs."""
+    """The streams' gaps between events inside the window, their time per token there (from
+    the first event's arrival to the last's, over the tokens after the first event), and the
+    long prompts' TTFTs."""
     gaps, tpots = [], []
-    for times in stream_times:
-        inside = [t for t in times if window[0] <= t <= window[1]]
-        gaps += [b - a for a, b in itertools.pairwise(inside)]
+    for events in stream_events:
+        inside = [(t, n) for t, n in events if window[0] <= t <= window[1]]
+        gaps += [b - a for (a, _), (b, _) in itertools.pairwise(inside)]
         if len(inside) > 1:
-            tpots.append((inside[-1] - inside[0]) / (len(inside) - 1))
+            later_tokens = sum(n for _, n in inside[1:])
+            tpots.append((inside[-1][0] - inside[0][0]) / later_tokens)
 
     def ms(value: float | None) -> float | None:
         return None if value is None else round(value * 1000, 1)
 
     return {
-        "stream_tokens": sum(len(t) for t in stream_times),
+        "stream_events": sum(len(e) for e in stream_events),
+        "stream_tokens": sum(n for e in stream_events for _, n in e),
         "itl_ms": {
             "p50": ms(percentile(gaps, 50)),
             "p99": ms(percentile(gaps, 99)),
