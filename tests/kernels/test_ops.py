@@ -112,6 +112,8 @@ def _prefill_inputs(
         (32, 128, 3),
         (64, 64, 4),
         (128, 128, 3),
+        (16, 16, 2),  # a toy model's heads: one vector of 16
+        (16, 256, 1),  # Gemma 3's: four chunks of four vectors
     ],
 )
 def test_prefill_matches_reference(
