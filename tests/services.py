@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -16,11 +17,35 @@ from pathlib import Path
 
 import httpx
 
+_handed_out: set[int] = set()
+_ports = random.SystemRandom()  # not the global generator, which tests and plugins seed
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, never the same twice in this process, and below
+    the ephemeral range: a port the kernel handed out for a bind to port 0 could be handed out
+    again, to the next caller or to a server's own outgoing connection, before the server that
+    was given it binds (a CI run once gave a server's HTTP port and its executor's the same)."""
+    low, high = 10_000, _ephemeral_start()
+    while True:
+        port = _ports.randrange(low, high) if high - low > 1_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 GUARD_KEY = "guard-key"  # the API key of the guarded_server fixture (tests/scheduler_svc)

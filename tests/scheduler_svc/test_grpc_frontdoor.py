@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
@@ -28,6 +27,7 @@ from scheduler_svc.engine.async_engine import AsyncEngine
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine
 from scheduler_svc.metrics import SchedulerMetrics
+from tests.services import free_port
 
 PROMPT = "The harbour committee met on a grey morning"
 
@@ -42,12 +42,6 @@ def executor(tiny_chat_model_dir: Path) -> tuple[Executor, ModelInfo, Any]:
 def run(body: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:
     """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
     asyncio.run(asyncio.wait_for(body, timeout))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

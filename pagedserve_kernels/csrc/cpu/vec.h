@@ -4,7 +4,8 @@
 // baseline clone, NEON pairs on Arm, all from the same source. The hot functions of each kernel
 // are cloned per instruction set (PAGEDSERVE_CPU_CLONES) and the dynamic loader picks the best
 // clone for the machine, so one build, made without -march=native, runs on any x86-64 and uses
-// AVX2 + FMA where it can. Everything here is inlined into the clones.
+// AVX2 + FMA where it can. Kernels that gain from AVX-512's width also build a 16-float variant
+// for x86-64-v4 (vfloat16) and pick it at run time. Everything here is inlined into them.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -92,13 +93,9 @@ PAGEDSERVE_INLINE void store_as(float* p, V v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
-PAGEDSERVE_INLINE vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
+PAGEDSERVE_INLINE vfloat load(const float* p) { return load_as<vfloat>(p); }
 
-PAGEDSERVE_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+PAGEDSERVE_INLINE void store(float* p, vfloat v) { store_as(p, v); }
 
 // Every lane x (`vfloat{} + x` would also add 0.0, which the compiler must keep for the sign
 // of -0.0). GCC 12 lowers this helper for the baseline target before it is inlined into a
