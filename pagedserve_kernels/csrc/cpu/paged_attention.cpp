@@ -38,8 +38,9 @@
 //
 // The transposed queries qt are built once per item; each row's sums run in position and
 // head-dimension order whichever rows share its tile, so a token's result does not depend on how
-// its prompt was cut into chunks. Where the CPU has AVX-512 and the head size is a multiple of
-// 16, the tile path runs on 16-float vectors.
+// its prompt was cut into chunks of two tokens or more (a chunk of one takes the row path, equal
+// to rounding). Where the CPU has AVX-512 and the head size is a multiple of 16, the tile path
+// runs on 16-float vectors.
 //
 // Items are sorted by cost (rows x positions seen) and handed out one at a time from a shared
 // counter, so the threads stay busy when sequences differ in length.
