@@ -62,7 +62,7 @@ namespace {
 
 // Query rows (tokens x group heads) per work item in prefill: enough to reuse each K/V row
 // from L1 many times, few enough that the rows' queries and accumulators (32 KiB at head size
-// 64) stay in L1 too. 64 took 14-18 % less time than 32 on long contexts (bench/RESULTS.md).
+// 64) stay in L1 too. 64 took 10-18 % less time than 32 on long prompts (bench/RESULTS.md).
 constexpr int64_t kTileRows = 64;
 
 // Multiply-adds a thread takes at least: smaller calls stay on one thread, where a fork/join
@@ -117,11 +117,9 @@ int64_t part_floats(const AttentionParams& p) { return p.num_heads * (p.head_dim
 // to whole vectors).
 class Scratch {
  public:
-  Scratch(const AttentionParams& p, int64_t max_rows)
-      : buffer_(static_cast<size_t>(round_up(max_rows, kMaxLanes) * (2 * p.head_dim + 3) +
-                                    (round_up(max_rows, kMaxLanes) + 2 * p.head_dim) *
-                                        p.block_size)) {
+  Scratch(const AttentionParams& p, int64_t max_rows) {
     const int64_t rows = round_up(max_rows, kMaxLanes);
+    buffer_.resize(rows * (2 * p.head_dim + 3) + (rows + 2 * p.head_dim) * p.block_size);
     float* next = buffer_.data();
     auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
     q = take(rows * p.head_dim);
