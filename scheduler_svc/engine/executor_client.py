@@ -89,6 +89,7 @@ class ExecutorClient:
         self._stub = pb_grpc.ExecutorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._params: ParamsCache = {}  # the last step's sampling parameters, converted
+        self._ending: set[grpc.Future] = set()  # EndSteps calls not answered yet
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float):
         try:
@@ -140,9 +141,14 @@ class ExecutorClient:
 
     def end_steps(self, step_id: int) -> grpc.Future:
         """Ask step ``step_id`` to stop its decode steps in a row early; returns at once.
-        The engine does not wait for the answer: the step answers what it drew either way."""
+        The engine does not wait for the answer: the step answers what it drew either way.
+        The call is held here until answered: gRPC cancels one whose future is collected,
+        often before it left, and the calls in a row then ran to their end."""
         request = pb.EndStepsRequest(step_id=step_id)
-        return self._stub.EndSteps.future(request, timeout=self.call_timeout)
+        future = self._stub.EndSteps.future(request, timeout=self.call_timeout)
+        self._ending.add(future)
+        future.add_done_callback(self._ending.discard)
+        return future
 
     def copy_blocks(self, blocks_to_copy: BlockPairs) -> int:
         """Copy ``(src, dst)`` blocks inside the KV pool; returns how many."""

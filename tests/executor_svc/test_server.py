@@ -6,6 +6,7 @@ import dataclasses
 import random
 import signal
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -387,6 +388,21 @@ def test_copy_and_swap_blocks_count(server: Server) -> None:
     with pytest.raises(StepRefused, match=r"blocks_to_swap_in\[0\].dst"):
         client.swap_blocks([], [(0, NUM_GPU_BLOCKS)])
     assert client.get_stats() == after
+
+
+def test_end_steps_arrives_though_the_caller_keeps_no_future(server: Server) -> None:
+    """The engine asks and goes on without the call's future. gRPC cancels a call whose
+    future is collected, often before it leaves, so the client holds it until answered:
+    otherwise the newcomer waited for every decode step of the calls in flight."""
+    client = server.client
+    epoch = server.next_epoch()
+    client.execute(_step(10, epoch, num_samples=1))  # the epoch the ask is for
+    asked = weakref.ref(client.end_steps(11))  # dropped at once, as the engine does
+    call = asked()
+    assert call is not None, "nothing holds the EndSteps call: gRPC cancels it"
+    assert call.exception(timeout=30) is None
+    cut = client.execute(_step(11, epoch, num_samples=1, num_steps=8))
+    assert len(cut.outputs[0].token_ids) == 1
 
 
 def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None:
