@@ -188,7 +188,7 @@ def _portable(value: Any) -> Any:
     path = Path(os.path.abspath(value))  # not resolve(): a venv python is a symlink
     if path.is_relative_to(ROOT):
         return os.path.relpath(path, ROOT)
-    return str(Path("...", *path.parts[-3:]))
+    return str(Path("...", *path.parts[1:][-3:]))  # never the root: "/" would restart it
 
 
 def pyplot() -> Any:

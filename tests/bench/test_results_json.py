@@ -15,6 +15,7 @@ def test_paths_in_a_result_are_portable(tmp_path: Path) -> None:
         "json": ROOT / "bench" / "results" / "x.json",
         "vllm_python": "/opt/some-venv/bin/python",
         "beside_checkout": ROOT.parent / "elsewhere" / "bin" / "python",
+        "short": Path("/tmp/details"),
         "preset": "sharegpt",
         "num_requests": 3,
     }
@@ -25,6 +26,7 @@ def test_paths_in_a_result_are_portable(tmp_path: Path) -> None:
         "json": "bench/results/x.json",
         "vllm_python": ".../some-venv/bin/python",
         "beside_checkout": ".../elsewhere/bin/python",  # not ../elsewhere: outside the repo
+        "short": ".../tmp/details",  # fewer than three parts below the root: not "/tmp/..."
         "preset": "sharegpt",
         "num_requests": 3,
     }
