@@ -396,13 +396,16 @@ def test_end_steps_arrives_though_the_caller_keeps_no_future(server: Server) -> 
     otherwise the newcomer waited for every decode step of the calls in flight."""
     client = server.client
     epoch = server.next_epoch()
-    client.execute(_step(10, epoch, num_samples=1))  # the epoch the ask is for
-    asked = weakref.ref(client.end_steps(11))  # dropped at once, as the engine does
-    call = asked()
-    assert call is not None, "nothing holds the EndSteps call: gRPC cancels it"
-    assert call.exception(timeout=30) is None
-    cut = client.execute(_step(11, epoch, num_samples=1, num_steps=8))
-    assert len(cut.outputs[0].token_ids) == 1
+    client.execute(_step(10, epoch, num_samples=1))  # the epoch the asks are for
+    # A cancelled call still leaves now and then: ask ten times, each must end its call.
+    for step_id in range(11, 21):
+        asked = weakref.ref(client.end_steps(step_id))  # dropped at once, as the engine does
+        deadline = time.monotonic() + 30
+        while (call := asked()) is not None and not call.done() and time.monotonic() < deadline:
+            del call  # held only by the client: let go once answered (or cancelled)
+            time.sleep(0.01)
+        cut = client.execute(_step(step_id, epoch, num_samples=1, num_steps=8))
+        assert len(cut.outputs[0].token_ids) == 1, f"ask {step_id - 10} of 10 was lost"
 
 
 def test_end_steps_stops_a_call_of_decode_steps_in_a_row(server: Server) -> None:
