@@ -39,6 +39,8 @@ from scheduler_svc.state.state_store import InMemoryStateStore, StateStore
 
 log = structlog.get_logger(__name__)
 
+SHUTDOWN_POLL_S = 0.1  # how often a stopping server looks whether its executors are gone
+
 
 class EngineFactory:
     """Builds the engine of each executor: the same model, tokenizer and id counter for
@@ -195,6 +197,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
     scheme = "https" if options.tls.tls_http else "http"
     log.info("serving", url=f"{scheme}://{api_config.host}:{api_config.port}")
     watchdog = asyncio.create_task(_exit_when_dead(async_engine, server), name="watchdog")
+    stranded = asyncio.create_task(_end_stranded_streams(async_engine, server), name="stranded")
     # uvicorn stops on SIGTERM or SIGINT, then raises the signal again under the handler
     # found before it started; a quiet one lets the cleanup below (and the caller's: the
     # executor `serve` started) run instead of the signal ending the process first.
@@ -204,6 +207,7 @@ async def serve(options: SchedulerOptions, api_config: ApiConfig) -> int:
         await server.serve()
     finally:
         watchdog.cancel()
+        stranded.cancel()
         if frontdoor is not None:
             await frontdoor.stop(grace=5)
         await async_engine.stop()
@@ -223,6 +227,15 @@ def _https(tls: TlsOptions) -> dict[str, object]:
 
 def _ignore_signal(signum: int, frame: object) -> None:
     """Only uvicorn's own handler acts on a stop signal while it serves."""
+
+
+async def _end_stranded_streams(engine: AsyncEngine, server: uvicorn.Server) -> None:
+    """Stopping, uvicorn waits for the streams in flight to finish, and the engine goes on
+    stepping them; once its executors are gone too, none will finish: end them then."""
+    while not server.should_exit:
+        await asyncio.sleep(SHUTDOWN_POLL_S)
+    while not engine.end_stranded_streams():
+        await asyncio.sleep(SHUTDOWN_POLL_S)
 
 
 async def _exit_when_dead(engine: AsyncEngine, server: uvicorn.Server) -> None:

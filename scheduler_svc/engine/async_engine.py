@@ -54,6 +54,14 @@ class _SteppedDown:
 STEPPED_DOWN = _SteppedDown()
 
 
+class _Stranded:
+    """Put in the local streams when the server stops with its executors gone: the streams
+    cannot finish here, and their requests stay where they are (in the store, with one)."""
+
+
+STRANDED = _Stranded()
+
+
 class AsyncEngine:
     """Feeds the lanes from many coroutines and fans their steps out to request streams.
 
@@ -218,6 +226,16 @@ class AsyncEngine:
             inbox.put(STEPPED_DOWN)
         log.info("stepped down", epoch=self.epoch)
 
+    def end_stranded_streams(self) -> bool:
+        """While the server stops: when every executor of this leader's lanes is gone (those
+        of `pagedserve serve` stop under the same Ctrl-C), end each stream served here with
+        an error instead of waiting for tokens that will not come. Returns whether it did."""
+        if not self.lanes or not self.lane_set.all_away():
+            return False
+        for inbox in self._streams.values():
+            inbox.put(STRANDED)
+        return True
+
     @property
     def lanes(self) -> dict[str, Lane]:
         return self.lane_set.lanes
@@ -292,12 +310,18 @@ class AsyncEngine:
             return
         inbox = self._streams[request_id] = _Inbox(each_event=stream)
         self.lane_set.route(NewRequest(request_id, prompt_token_ids, params, arrival))
-        finished, last, handed_over = False, 0, False
+        finished, last, handed_over, stranded = False, 0, False, False
         try:
             while not (finished or handed_over):
                 for item in await inbox.take():
                     if isinstance(item, _SteppedDown):
                         handed_over = True
+                    elif isinstance(item, _Stranded):
+                        stranded = True
+                        raise EngineDeadError(
+                            "the server is stopping and its executor is gone: the request "
+                            "did not finish here"
+                        )
                     elif isinstance(item, BaseException):
                         raise item
                     elif item.event > last:
@@ -307,7 +331,7 @@ class AsyncEngine:
                         break
         finally:
             self._streams.pop(request_id, None)
-            if not finished and not handed_over:
+            if not (finished or handed_over or stranded):
                 self.abort(request_id)
         if handed_over:  # another replica leads now: its events come through the store
             async for delta in self._follow(request_id, prompt_token_ids, params, last):
@@ -501,15 +525,15 @@ class _Inbox:
 
     def __init__(self, each_event: bool) -> None:
         self.each_event = each_event
-        self._items: deque[RequestDelta | BaseException | _SteppedDown] = deque()
+        self._items: deque[RequestDelta | BaseException | _SteppedDown | _Stranded] = deque()
         self._ready = asyncio.Event()
 
-    def put(self, item: RequestDelta | BaseException | _SteppedDown) -> None:
+    def put(self, item: RequestDelta | BaseException | _SteppedDown | _Stranded) -> None:
         self._items.append(item)
         if self.each_event or not isinstance(item, RequestDelta) or item.finished:
             self._ready.set()
 
-    async def take(self) -> list[RequestDelta | BaseException | _SteppedDown]:
+    async def take(self) -> list[RequestDelta | BaseException | _SteppedDown | _Stranded]:
         """Everything put since the last take, once something woke it."""
         await self._ready.wait()
         self._ready.clear()

@@ -38,8 +38,10 @@ class ExecutorError(Exception):
 
 
 class ExecutorUnavailable(ExecutorError):
-    """Unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED): the call may or may not
-    have been applied; resending the same step is safe while the instance id is unchanged."""
+    """Unreachable, too slow or stopping (UNAVAILABLE, DEADLINE_EXCEEDED, and CANCELLED: a
+    stopping executor cancels the calls queued behind its step; this client cancels none):
+    the call may or may not have been applied; resending the same step is safe while the
+    instance id is unchanged."""
 
 
 class StepRefused(ExecutorError):
@@ -55,6 +57,7 @@ class ExecutorIncompatible(ValueError):
 _ERRORS: dict[grpc.StatusCode, type[ExecutorError]] = {
     grpc.StatusCode.UNAVAILABLE: ExecutorUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: ExecutorUnavailable,
+    grpc.StatusCode.CANCELLED: ExecutorUnavailable,
     grpc.StatusCode.INVALID_ARGUMENT: StepRefused,
     grpc.StatusCode.FAILED_PRECONDITION: StepRefused,
 }

@@ -83,8 +83,13 @@ class LaneSet:
         self.epoch = epoch
 
     def end(self) -> list[asyncio.Task]:
-        """Forget the term's lanes and queues; returns the lanes' tasks, to be cancelled."""
+        """Forget the term's lanes and queues; returns the lanes' tasks, to be cancelled.
+        A lane's thread waiting for its executor stops waiting (a task's cancel does not
+        reach into its thread, and the process would not exit while it waits)."""
         tasks = [lane.task for lane in self.lanes.values() if lane.task is not None]
+        for lane in self.lanes.values():
+            if isinstance(lane.engine.executor, ReconnectingExecutor):
+                lane.engine.executor.halt()
         if self.observer is not None:
             for name in self.lanes:
                 self.observer.forget(name)
@@ -99,6 +104,10 @@ class LaneSet:
     def has_unfinished(self) -> bool:
         """Work anywhere: queued for a lane, in a lane, or waiting for an executor."""
         return bool(self._unrouted) or any(lane.has_work() for lane in self.lanes.values())
+
+    def all_away(self) -> bool:
+        """Whether no lane's executor answers now (a call to it failed, none since passed)."""
+        return all(_away(lane) > 0 for lane in self.lanes.values())
 
     def waiting(self) -> tuple[int, int]:
         """Requests, and their prompt tokens, that have not had a first step yet: queued

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,11 @@ PROBE_TIMEOUT_S = 2.0  # a probe's deadline: GetStats answers without waiting fo
 class ExecutorGone(RuntimeError):
     """The executor was given up for good (it vanished from the registry or its drain
     budget ran out): its groups must be recomputed on another executor."""
+
+
+class Halted(RuntimeError):
+    """The term ended while the engine waited for its executor: the step stays pending in
+    the journal, for the next term (this process's or a successor's) to replay."""
 
 
 class ReconnectingExecutor:
@@ -37,10 +43,17 @@ class ReconnectingExecutor:
         # step is sent ahead of the answer to the one before it.
         self._on_wire: set[Callable[[], StepResult]] = set()
         self.abandoned = False
+        self._halted = threading.Event()
 
     def abandon(self) -> None:
         """Make the step in flight, or the next one, raise ExecutorGone instead of waiting."""
         self.abandoned = True
+
+    def halt(self) -> None:
+        """Make a wait for the executor, now or later, raise Halted: the term ended, and a
+        shutdown must not wait for an executor that stops with it (`pagedserve serve`'s,
+        under a signal to the whole process group)."""
+        self._halted.set()
 
     def execute(self, step: ExecuteStep) -> StepResult:
         return self.start(step)()
@@ -75,8 +88,7 @@ class ReconnectingExecutor:
         return result
 
     def _send(self, step: ExecuteStep) -> Callable[[], StepResult]:
-        if self.abandoned:
-            raise ExecutorGone(self.client.address)
+        self._check()
         call = self.client.start(step)
         self._on_wire.add(call)
         return call
@@ -88,22 +100,31 @@ class ReconnectingExecutor:
             try:
                 return self.client.fence(epoch)
             except ExecutorUnavailable:
-                if self.abandoned:
-                    raise ExecutorGone(self.client.address) from None
-                time.sleep(self.poll_s)
+                self._pause()
 
     def end_steps(self, step_id: int) -> None:
         self.client.end_steps(step_id)
 
+    def _check(self) -> None:
+        if self._halted.is_set():
+            raise Halted(self.client.address)
+        if self.abandoned:
+            raise ExecutorGone(self.client.address)
+
+    def _pause(self) -> None:
+        """Wait a poll period before trying the executor again, unless told to stop."""
+        self._check()
+        self._halted.wait(self.poll_s)
+        self._check()
+
     def _reconnect(self) -> None:
         while True:
-            if self.abandoned:
-                raise ExecutorGone(self.client.address)
+            self._check()
             try:
                 info = self.client.init_cache()  # allocates afresh on a new process
                 break
             except ExecutorUnavailable:
-                time.sleep(self.poll_s)
+                self._pause()
         if info.instance_id != self.instance_id:
             log.warning("executor restarted; recomputing", instance_id=info.instance_id)
             self.instance_id = info.instance_id

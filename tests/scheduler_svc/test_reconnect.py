@@ -5,13 +5,15 @@ client isolates the unit; tests/scheduler_svc/test_liveness.py pauses a real exe
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 
 from pagedserve.step import ExecuteStep, StepResult
 from scheduler_svc.engine.executor_client import ExecutorUnavailable
-from scheduler_svc.engine.reconnect import ReconnectingExecutor
+from scheduler_svc.engine.reconnect import Halted, ReconnectingExecutor
 
 
 class PausedClient:
@@ -48,3 +50,50 @@ def test_a_step_on_the_wire_is_evidence_after_the_one_before_it_answered() -> No
     client.answered[2].set()
     assert second().step_id == 2
     assert not executor.answers()
+
+
+class GoneClient:
+    """An executor that went away for good: every call fails as unreachable."""
+
+    address = "gone:1"
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        def result() -> StepResult:
+            raise ExecutorUnavailable(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+        return result
+
+    def init_cache(self) -> None:
+        raise ExecutorUnavailable(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    def fence(self, epoch: int) -> None:
+        raise ExecutorUnavailable(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+
+def test_halt_ends_the_waits_for_an_executor_that_is_gone() -> None:
+    """A step's answer and a fence each wait for the executor to return, until the term
+    ends: then they raise Halted, the step and fence in flight as well as later ones."""
+    executor = ReconnectingExecutor(GoneClient(), instance_id="a", poll_s=0.05)  # type: ignore[arg-type]
+    raised: list[BaseException] = []
+
+    def wait(call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as e:
+            raised.append(e)
+
+    step = ExecuteStep(step_id=1, epoch=1, seqs=[])
+    waiters = [
+        threading.Thread(target=wait, args=(executor.start(step),)),
+        threading.Thread(target=wait, args=(lambda: executor.fence(2),)),
+    ]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.3)  # several polls: both are waiting
+    assert not raised and executor.unavailable_for() > 0
+    executor.halt()
+    for waiter in waiters:
+        waiter.join(timeout=5)
+    assert [type(e) for e in raised] == [Halted, Halted]
+    with pytest.raises(Halted):
+        executor.start(ExecuteStep(step_id=2, epoch=1, seqs=[]))
