@@ -155,7 +155,9 @@ class Scheduler:
         """
         if self.swapped:
             return None
-        k = self._decode_steps()
+        # A group waiting to be admitted behind them would get its first token only once
+        # the call's steps in a row had all run.
+        k = 1 if self.waiting else self._decode_steps()
         going = []
         for group in self.running:
             params = group.sampling_params
@@ -281,8 +283,8 @@ class Scheduler:
 
         Each sequence runs at most to its ``max_tokens``; all of them or none look ahead,
         and only if the pool keeps its watermark free, and only once no group has been
-        queued for ``decode_steps_quiet_s``: a request arriving during a call waits for
-        all of its steps.
+        queued for ``decode_steps_quiet_s``: while requests keep arriving, each of them
+        ends the call running (EndSteps), and one step a call loses nothing.
         """
         k = self._decode_steps()
         if k == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:

@@ -747,13 +747,15 @@ class LLMEngine:
         draws for follows it: the executor fills in the token and position. Followers
         come last, where the wire carries them in columns (step_to_pb)."""
         seqs, followers = [], []
+        admits = any(scheduled.is_prefill for scheduled in out.scheduled)
         for scheduled in out.scheduled:
             group = scheduled.group
             for index, seq in enumerate(group.seqs):
                 if seq.status != SequenceStatus.RUNNING:
                     continue
                 if drawn is not None and not scheduled.is_prefill:
-                    followers.append(self._follower(group, index, seq, drawn[seq.seq_id]))
+                    follower = self._follower(group, index, seq, drawn[seq.seq_id], admits)
+                    followers.append(follower)
                 else:
                     seqs.append(self._seq_step(group, index, seq))
         return ExecuteStep(
@@ -767,15 +769,19 @@ class LLMEngine:
         )
 
     def _follower(
-        self, group: SequenceGroup, index: int, seq: Sequence, before: SeqStep
+        self, group: SequenceGroup, index: int, seq: Sequence, before: SeqStep, admits: bool
     ) -> SeqStep:
         """A sequence going on from the call in flight (``before``: its step there, which
         draws ``before.num_steps`` tokens): its table maps the slots of both calls
         (Scheduler.schedule_ahead), and the entries it shares with ``before``'s go unsent
-        (all are sent when a sliding window freed some since)."""
+        (all are sent when a sliding window freed some since). It runs the steps its slots
+        hold past ``before``'s, which include those of calls ended early (EndSteps), or one
+        when the call ``admits`` a prompt: the newcomer's first token waits for no steps in
+        a row, and the slots past that one go to the next call."""
         bm = self.scheduler.block_manager
         table = list(bm.get_block_table(seq))
         kept = len(before.block_table)
+        num_steps = bm.num_slots(seq) - (seq.get_len() + before.num_steps) + 1
         return SeqStep(
             seq_id=seq.seq_id,
             new_token_ids=[],
@@ -783,7 +789,7 @@ class LLMEngine:
             block_table=table,
             sampling_params=group.sampling_params,
             sample_index=index,
-            num_steps=bm.num_slots(seq) - (seq.get_len() + before.num_steps) + 1,
+            num_steps=1 if admits else num_steps,
             follows=True,
             table_start=kept if table[:kept] == before.block_table else 0,
         )

@@ -90,3 +90,42 @@ def test_arrivals_end_calls_early_and_change_no_output(server):
     calls = metric(executor_metrics, "executor_step_seconds_count") - calls_before
     assert ended(), f"short requests each round {rounds}, none ended a call early; {calls} calls"
     assert used_blocks(url) == 0
+
+
+def test_a_newcomers_first_token_waits_for_no_steps_in_a_row(server):
+    """The call that admits a newcomer decodes one step: slots mapped for steps that calls
+    ended early did not run go to later calls. Before, that call ran them all (up to 2 x 256
+    steps here), and the newcomer's first token with them. Counted in the long stream's
+    tokens that reached it while a newcomer waited, not timed."""
+    url, model, _ = server
+    tokens: list[tuple[float, int]] = []  # (arrival, tokens) of each of the long's events
+    started = threading.Event()
+
+    def follow() -> None:
+        body = LONG | {"model": model, "stream": True, "logprobs": 0}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    num = len((choice.get("logprobs") or {}).get("tokens") or [])
+                    tokens.append((time.perf_counter(), num))
+                    started.set()
+
+    streamer = threading.Thread(target=follow)
+    streamer.start()
+    waits = []  # the long stream's tokens while each newcomer waited for its first
+    try:
+        assert started.wait(60)
+        for i in range(4):
+            time.sleep(0.2)  # calls of 256 steps in a row run meanwhile
+            body = SHORT | {"model": model, "prompt": f"Newcomer {i}:", "max_tokens": 1}
+            sent = time.perf_counter()
+            complete(url, body)
+            first = time.perf_counter()
+            during = [n for at, n in tokens if sent < at <= first]
+            # The first of them is the call the newcomer ended: drawn before it was sent.
+            waits.append(sum(during[1:]))
+    finally:
+        streamer.join(timeout=300)
+    assert len(tokens) > 1 and max(waits) < 64, waits

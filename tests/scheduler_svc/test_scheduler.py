@@ -374,10 +374,12 @@ def _in_flight(scheduler: Scheduler, out) -> dict[int, int]:
     }
 
 
-def test_the_call_ahead_maps_each_sequence_past_the_call_in_flight():
+@pytest.mark.parametrize("newcomer", [False, True], ids=["alone", "with-a-newcomer"])
+def test_the_call_ahead_maps_each_sequence_past_the_call_in_flight(newcomer: bool):
     """Sent before the call in flight answers, the next call maps each sequence's slots
     as if that call drew all its tokens, leaves out what ends by length within it, and
-    admits a newcomer behind them; the tables stay whole."""
+    admits a newcomer behind them; the tables stay whole. With a newcomer it is one step
+    (the newcomer's first token would otherwise wait for all the steps in a row)."""
     scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=4)
     bm = scheduler.block_manager
     processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(bm)
@@ -387,12 +389,14 @@ def test_the_call_ahead_maps_each_sequence_past_the_call_in_flight():
     assert [s.group for s in out.scheduled] == [long, short]
     drawing = _in_flight(scheduler, out)
     assert drawing == {0: 4, 1: 2}
-    newcomer = add(scheduler, 2, 5, 10)
+    waiting = [add(scheduler, 2, 5, 10)] if newcomer else []
     ahead = scheduler.schedule_ahead(drawing)
-    assert [s.group for s in ahead.scheduled] == [long, newcomer]
-    # `long` maps its 4 tokens in flight and 4 more; `short` ends with the call in flight.
-    assert bm.num_slots(long.seqs[0]) == long.seqs[0].get_len() + 4 + 4 - 1
-    assert ahead.scheduled[1].is_prefill and newcomer.seqs[0].status == SequenceStatus.RUNNING
+    assert [s.group for s in ahead.scheduled] == [long, *waiting]
+    # `long` maps its 4 tokens in flight and 4 more, or 1 with a newcomer; `short` ends
+    # with the call in flight.
+    assert bm.num_slots(long.seqs[0]) == long.seqs[0].get_len() + 4 + (1 if newcomer else 4) - 1
+    if newcomer:
+        assert ahead.scheduled[1].is_prefill and waiting[0].seqs[0].status == SequenceStatus.RUNNING
     bm.check_integrity()
 
 
