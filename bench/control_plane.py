@@ -17,7 +17,7 @@ Redis journaling and its HTTP front door. A load keeps N sequences running (long
   CPU per call allows even with a core to itself (its threads share one interpreter lock).
 
 Once with one step a call, once with decode steps in a row (--num-decode-steps, with no
-quiet period after arrivals), each with async scheduling (the next call sent while one
+quiet period after arrivals unless --decode-steps-quiet sets one), each with async scheduling (the next call sent while one
 runs) and without:
 
     python bench/control_plane.py --step-ms 2,5,10 --seqs 32,128,256 \\
@@ -49,7 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import VOCAB_SIZE, print_table, progress, pyplot, write_json
 from bench.launch import free_port, healthy, process, redis_url
-from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
+from pagedserve.settings import SERVING_COMMIT_INTERVAL_S, SERVING_DECODE_STEPS_QUIET_S
 from scheduler_svc.engine.executor_client import ExecutorClient, ExecutorUnavailable
 from tests.redis_server import delete_namespace
 
@@ -245,8 +245,8 @@ def scheduler(
     num_decode_steps: int,
     async_scheduling: bool,
 ) -> Iterator[tuple[str, int]]:
-    """`pagedserve scheduler` journaling to ``store``, decode steps in a row from the first
-    step, every sequence admitted (no pacing, no queue-wait bound: the batch sizes are the
+    """`pagedserve scheduler` journaling to ``store``, decode steps in a row once no request
+    arrived for --decode-steps-quiet (0: from the first step), every sequence admitted (no pacing, no queue-wait bound: the batch sizes are the
     experiment's, and each level arrives as one burst); yields its URL and process id.
     The requests it leaves running are deleted from the store with it."""
     port = free_port()
@@ -255,7 +255,8 @@ def scheduler(
     cmd = [sys.executable, "-m", "pagedserve.cli", "scheduler", f"--executor={executor}"]
     cmd += [f"--state-store={store}", f"--namespace={namespace}", f"--port={port}"]
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
-    cmd += ["--decode-steps-quiet=0", "--max-token-slowdown=0", "--max-queue-wait=0"]
+    cmd += [f"--decode-steps-quiet={args.decode_steps_quiet}"]
+    cmd += ["--max-token-slowdown=0", "--max-queue-wait=0"]
     cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     cmd.append(f"--commit-interval={args.commit_interval}")
     try:
@@ -372,6 +373,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=SERVING_COMMIT_INTERVAL_S,
         help="the scheduler's --commit-interval, seconds (default: a server's); 0: every call",
+    )
+    p.add_argument(
+        "--decode-steps-quiet",
+        type=float,
+        default=0.0,
+        help="the scheduler's --decode-steps-quiet: seconds without an arrival before a call "
+        "runs decode steps in a row (0: at once; a server's default is "
+        f"{SERVING_DECODE_STEPS_QUIET_S:g})",
     )
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="else a private one")
     p.add_argument("--seed", type=int, default=0)
