@@ -17,8 +17,8 @@ Redis journaling and its HTTP front door. A load keeps N sequences running (long
   CPU per call allows even with a core to itself (its threads share one interpreter lock).
 
 Once with one step a call, once with decode steps in a row (--num-decode-steps, with no
-quiet period after arrivals unless --decode-steps-quiet sets one), each with async scheduling (the next call sent while one
-runs) and without:
+quiet period after arrivals unless --decode-steps-quiet sets one), each with async
+scheduling (the next call sent while one runs) and without:
 
     python bench/control_plane.py --step-ms 2,5,10 --seqs 32,128,256 \\
         --json bench/results/control_plane.json
@@ -246,9 +246,10 @@ def scheduler(
     async_scheduling: bool,
 ) -> Iterator[tuple[str, int]]:
     """`pagedserve scheduler` journaling to ``store``, decode steps in a row once no request
-    arrived for --decode-steps-quiet (0: from the first step), every sequence admitted (no pacing, no queue-wait bound: the batch sizes are the
-    experiment's, and each level arrives as one burst); yields its URL and process id.
-    The requests it leaves running are deleted from the store with it."""
+    arrived for --decode-steps-quiet (0: from the first step), every sequence admitted (no
+    pacing, no queue-wait bound: the batch sizes are the experiment's, and each level
+    arrives as one burst); yields its URL and process id. The requests it leaves running
+    are deleted from the store with it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     namespace = f"control-plane-{port}"
