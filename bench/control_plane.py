@@ -64,8 +64,7 @@ class Sample:
     at: float  # perf_counter seconds
     busy_s: float  # executor: time inside steps
     calls: int  # executor: Execute calls applied
-    tokens: float  # scheduler: tokens generated
-    running: int  # scheduler: requests running
+    scheduler: Counters
     scheduler_cpu_s: float
     executor_cpu_s: float
     client_cpu_s: float
@@ -78,16 +77,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-def scheduler_counters(text: str) -> tuple[float, int]:
-    """Tokens generated and requests running, from the scheduler's /metrics."""
-    tokens, running = 0.0, 0
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """The scheduler's /metrics figures a window needs."""
+
+    tokens: float = 0.0  # generated
+    running: int = 0  # requests running now
+    ended: float = 0.0  # requests ended (each replaced at once by the load)
+    ttft_sum_s: float = 0.0  # their times to first token, summed
+    ttft_count: float = 0.0
+
+
+def scheduler_counters(text: str) -> Counters:
+    values: dict[str, float] = {"ended": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pagedserve_generation_tokens_total":
-                tokens = s.value
+                values["tokens"] = s.value
             elif s.name == "pagedserve_num_requests" and s.labels.get("state") == "running":
-                running = int(s.value)
-    return tokens, running
+                values["running"] = int(s.value)
+            elif s.name == "pagedserve_requests_total":
+                values["ended"] += s.value
+            elif s.name == "pagedserve_time_to_first_token_seconds_sum":
+                values["ttft_sum_s"] = s.value
+            elif s.name == "pagedserve_time_to_first_token_seconds_count":
+                values["ttft_count"] = s.value
+    return Counters(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +117,13 @@ class Processes:
 
 async def sample(http: httpx.AsyncClient, procs: Processes) -> Sample:
     stats = await asyncio.to_thread(procs.executor.get_stats)
-    tokens, running = scheduler_counters((await http.get("/metrics")).text)
+    counters = scheduler_counters((await http.get("/metrics")).text)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return Sample(
         time.perf_counter(),
         stats.total_step_seconds,
         stats.num_steps,
-        tokens,
-        running,
+        counters,
         cpu_seconds(procs.scheduler_pid),
         cpu_seconds(procs.executor_pid),
         usage.ru_utime + usage.ru_stime,
@@ -124,7 +138,9 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
     a scheduler with a whole core to itself could give at its CPU per call: its Python
     runs under one lock (the GIL), so it issues at most one call per that much CPU."""
     wall, calls = b.at - a.at, b.calls - a.calls
-    decode_steps = (b.tokens - a.tokens) / num_seqs
+    decode_steps = (b.scheduler.tokens - a.scheduler.tokens) / num_seqs
+    first_tokens = b.scheduler.ttft_count - a.scheduler.ttft_count
+    ttft_s = b.scheduler.ttft_sum_s - a.scheduler.ttft_sum_s
     cpu = b.scheduler_cpu_s - a.scheduler_cpu_s
     busy = b.busy_s - a.busy_s
     return {
@@ -146,7 +162,9 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
             round((b.executor_cpu_s - a.executor_cpu_s) / calls * 1e3, 3) if calls else None
         ),
         "client_cpu_cores": round((b.client_cpu_s - a.client_cpu_s) / wall, 3),
-        "running_at_end": b.running,
+        "arrivals_per_s": round((b.scheduler.ended - a.scheduler.ended) / wall, 1),
+        "ttft_mean_ms": round(ttft_s / first_tokens * 1e3, 1) if first_tokens else None,
+        "running_at_end": b.scheduler.running,
     }
 
 
@@ -158,7 +176,7 @@ class Load:
 
     def __init__(self, url: str, model: str, args: argparse.Namespace) -> None:
         self.url, self.args = url, args
-        self.body = {"model": model, "max_tokens": args.max_tokens, "ignore_eos": True}
+        self.body = {"model": model, "ignore_eos": True}
         self.body["temperature"] = 0.0
         self.rng = random.Random(args.seed)
         self.slots: list[asyncio.Task] = []
@@ -171,7 +189,9 @@ class Load:
         async with httpx.AsyncClient(base_url=self.url, timeout=None) as http:
             while True:
                 prompt = [self.rng.randrange(1000, VOCAB_SIZE) for _ in range(self.args.prompt_len)]
-                response = await http.post("/v1/completions", json=self.body | {"prompt": prompt})
+                low = self.args.min_tokens or self.args.max_tokens
+                body = {"prompt": prompt, "max_tokens": self.rng.randint(low, self.args.max_tokens)}
+                response = await http.post("/v1/completions", json=self.body | body)
                 if response.status_code != 200:
                     raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
 
@@ -198,7 +218,7 @@ async def measure_levels(
         try:
             for num_seqs in args.seqs:
                 load.grow(num_seqs)
-                while (await sample(http, procs)).running < num_seqs:
+                while (await sample(http, procs)).scheduler.running < num_seqs:
                     load.check()
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(args.warmup)
@@ -296,7 +316,7 @@ def print_results(runs: list[dict[str, Any]]) -> None:
     headers = ["step ms", "calls", "seqs", "busy", "forward", "decode steps/s", "calls/s"]
     headers += ["gap ms/call"]
     headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores", "sched bound"]
-    headers += ["executor CPU ms/call", "client cores"]
+    headers += ["executor CPU ms/call", "client cores", "arrivals/s", "TTFT mean ms"]
     rows = [
         [
             r["step_ms"],
@@ -313,6 +333,8 @@ def print_results(runs: list[dict[str, Any]]) -> None:
             r["scheduler_bound"],
             r["executor_cpu_ms_per_call"],
             r["client_cpu_cores"],
+            r["arrivals_per_s"],
+            r["ttft_mean_ms"],
         ]
         for r in runs
     ]
@@ -366,6 +388,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=5.0, help="seconds measured per level")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of each prompt")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens of each request")
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        help="each request's tokens drawn between this and --max-tokens: the requests then end "
+        "at different times and their replacements arrive throughout the window (by default "
+        "all have --max-tokens, and a level's burst ends together, after its window)",
+    )
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="its tokenizer and limits")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-gpu-blocks", type=int, default=65536)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.control_plane import Sample, figures
+from bench.control_plane import Counters, Sample, figures
 from bench.standin_executor import standin_token
 from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 
@@ -24,8 +24,7 @@ def test_figures_of_a_window() -> None:
         at=10.0,
         busy_s=1.0,
         calls=100,
-        tokens=800.0,
-        running=4,
+        scheduler=Counters(tokens=800.0, running=4, ended=10, ttft_sum_s=1.0, ttft_count=10),
         scheduler_cpu_s=2.0,
         executor_cpu_s=1.0,
         client_cpu_s=0.5,
@@ -34,8 +33,7 @@ def test_figures_of_a_window() -> None:
         at=12.0,
         busy_s=2.6,
         calls=300,
-        tokens=2400.0,
-        running=4,
+        scheduler=Counters(tokens=2400.0, running=4, ended=30, ttft_sum_s=4.0, ttft_count=30),
         scheduler_cpu_s=2.5,
         executor_cpu_s=1.4,
         client_cpu_s=0.6,
@@ -53,6 +51,7 @@ def test_figures_of_a_window() -> None:
     assert slow["scheduler_bound"] == 0.5
     assert f["client_cpu_cores"] == pytest.approx(0.05)
     assert f["executor_cpu_ms_per_call"] == pytest.approx(2.0)
+    assert f["arrivals_per_s"] == 10 and f["ttft_mean_ms"] == 150  # 3 s over 20 first tokens
 
 
 def test_standin_tokens_depend_on_sequence_and_position_only() -> None:
