@@ -9,9 +9,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.services import serving
 
@@ -42,20 +44,26 @@ def open_streams(url: str, max_tokens: int) -> tuple[list[threading.Thread], lis
     return threads, events
 
 
-def stopped_within(proc, seconds: float) -> float:
-    """Seconds ``proc`` took to exit; fails the test if it takes longer than ``seconds``."""
-    start = time.monotonic()
-    proc.wait(timeout=seconds)
-    return time.monotonic() - start
-
-
-def nothing_left_of(proc) -> bool:
-    """Whether the process group of ``proc`` (its executor child included) is gone."""
-    try:
-        os.killpg(proc.pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def stop_while_streaming(
+    model_dir: Path,
+    max_tokens: int,
+    kill: Callable[[int, int], None],
+    sig: int,
+    within_s: float,
+) -> list[list[dict]]:
+    """Serve, start the streams, send ``sig`` by ``kill`` (os.kill: to the server alone,
+    os.killpg: to its process group); returns the streams' events once the server exited 0
+    within ``within_s``, its executor with it."""
+    with serving(model_dir) as proc:
+        threads, events = open_streams(proc.url, max_tokens)
+        kill(proc.pid, sig)
+        proc.wait(timeout=within_s)
+        for thread in threads:
+            thread.join(timeout=10)
+        assert proc.returncode == 0
+        with pytest.raises(ProcessLookupError):  # nothing is left of its process group
+            os.killpg(proc.pid, 0)
+    return events
 
 
 def test_ctrl_c_stops_both_processes_and_ends_every_stream_with_an_error(
@@ -63,32 +71,20 @@ def test_ctrl_c_stops_both_processes_and_ends_every_stream_with_an_error(
 ) -> None:
     """The executor stops at once under the group's signal; the scheduler used to wait for
     it forever, with its streams open (uvicorn waits for them before the engine stops)."""
-    with serving(tiny_chat_model_dir) as proc:
-        threads, events = open_streams(proc.url, max_tokens=1000)
-        os.killpg(proc.pid, signal.SIGINT)
-        stopped_within(proc, 20)
-        for thread in threads:
-            thread.join(timeout=10)
-        assert proc.returncode == 0
-        assert nothing_left_of(proc)
-        for stream in events:
-            errors = [e for e in stream if isinstance(e, dict) and "error" in e]
-            assert [e["error"]["code"] for e in errors] == ["engine_unavailable"], stream[-2:]
-            assert "executor is gone" in errors[0]["error"]["message"]
+    for stream in stop_while_streaming(
+        tiny_chat_model_dir, 1000, os.killpg, signal.SIGINT, within_s=20
+    ):
+        errors = [e for e in stream if isinstance(e, dict) and "error" in e]
+        assert [e["error"]["code"] for e in errors] == ["engine_unavailable"], stream[-2:]
+        assert "executor is gone" in errors[0]["error"]["message"]
 
 
 def test_sigterm_to_the_server_alone_lets_its_streams_finish(tiny_chat_model_dir: Path) -> None:
     """`docker stop` signals the server, not its executor: the streams in flight finish."""
-    with serving(tiny_chat_model_dir) as proc:
-        threads, events = open_streams(proc.url, max_tokens=200)
-        os.kill(proc.pid, signal.SIGTERM)
-        stopped_within(proc, 30)
-        for thread in threads:
-            thread.join(timeout=10)
-        assert proc.returncode == 0
-        assert nothing_left_of(proc)
-        for stream in events:
-            assert stream[-1] == "[DONE]"
-            chunks = [e for e in stream if isinstance(e, dict)]
-            assert all("error" not in e for e in chunks)
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    for stream in stop_while_streaming(
+        tiny_chat_model_dir, 200, os.kill, signal.SIGTERM, within_s=30
+    ):
+        assert stream[-1] == "[DONE]"
+        chunks = [e for e in stream if isinstance(e, dict)]
+        assert all("error" not in e for e in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -61,6 +61,8 @@ class _Stranded:
 
 STRANDED = _Stranded()
 
+_InboxItem = RequestDelta | BaseException | _SteppedDown | _Stranded
+
 
 class AsyncEngine:
     """Feeds the lanes from many coroutines and fans their steps out to request streams.
@@ -525,15 +527,15 @@ class _Inbox:
 
     def __init__(self, each_event: bool) -> None:
         self.each_event = each_event
-        self._items: deque[RequestDelta | BaseException | _SteppedDown | _Stranded] = deque()
+        self._items: deque[_InboxItem] = deque()
         self._ready = asyncio.Event()
 
-    def put(self, item: RequestDelta | BaseException | _SteppedDown | _Stranded) -> None:
+    def put(self, item: _InboxItem) -> None:
         self._items.append(item)
         if self.each_event or not isinstance(item, RequestDelta) or item.finished:
             self._ready.set()
 
-    async def take(self) -> list[RequestDelta | BaseException | _SteppedDown | _Stranded]:
+    async def take(self) -> list[_InboxItem]:
         """Everything put since the last take, once something woke it."""
         await self._ready.wait()
         self._ready.clear()
