@@ -22,8 +22,9 @@ class ExecutorGone(RuntimeError):
 
 
 class Halted(RuntimeError):
-    """The term ended while the engine waited for its executor: the step stays pending in
-    the journal, for the next term (this process's or a successor's) to replay."""
+    """The term ended while the engine waited for its executor: the call in flight is left
+    to the next term (this process's or a successor's), whose recovery replays the pending
+    step or recomputes past the journal, as after a crash."""
 
 
 class ReconnectingExecutor:
