@@ -571,8 +571,10 @@ class _Fold:
     joined, the last event's number and end. A copy: the events published are shared."""
 
     def __init__(self, first: RequestDelta) -> None:
-        self.delta = dataclasses.replace(first, outputs=[_copy(out) for out in first.outputs])
-        self._texts = {out.index: [out.text] for out in first.outputs}
+        self.delta = dataclasses.replace(first, outputs=[])
+        self._outputs: dict[int, tuple[SeqDelta, list[str]]] = {}  # by index: output, pieces
+        for out in first.outputs:
+            self._add(out)
 
     def absorb(self, delta: RequestDelta) -> bool:
         """Fold ``delta`` in, or drop it when already folded (an event sent again after a
@@ -583,14 +585,13 @@ class _Fold:
             return True
         if delta.event != folded.event + 1 or delta.error is not None:
             return False
-        outputs = {out.index: out for out in folded.outputs}
+        outputs = self._outputs
         for out in delta.outputs:
-            into = outputs.get(out.index)
-            if into is None:
-                folded.outputs.append(_copy(out))
-                self._texts[out.index] = [out.text]
+            if out.index not in outputs:
+                self._add(out)
                 continue
-            self._texts[out.index].append(out.text)
+            into, pieces = outputs[out.index]
+            pieces.append(out.text)
             into.token_ids += out.token_ids
             into.logprobs += out.logprobs
             into.top_logprobs += out.top_logprobs
@@ -600,19 +601,20 @@ class _Fold:
 
     def close(self) -> None:
         """Join each output's text (kept in pieces: joining at each event would copy it)."""
-        for out in self.delta.outputs:
-            out.text = "".join(self._texts[out.index])
+        for out, pieces in self._outputs.values():
+            out.text = "".join(pieces)
 
-
-def _copy(out: SeqDelta) -> SeqDelta:
-    return SeqDelta(
-        out.index,
-        out.text,
-        list(out.token_ids),
-        list(out.logprobs),
-        list(out.top_logprobs),
-        out.finish_reason,
-    )
+    def _add(self, out: SeqDelta) -> None:
+        copy = SeqDelta(
+            out.index,
+            out.text,
+            list(out.token_ids),
+            list(out.logprobs),
+            list(out.top_logprobs),
+            out.finish_reason,
+        )
+        self.delta.outputs.append(copy)
+        self._outputs[out.index] = (copy, [out.text])
 
 
 def _checked(delta: RequestDelta) -> RequestDelta:
