@@ -87,6 +87,11 @@ class BlockManager:
         self._num_slots: dict[int, int] = {}  # token slots mapped per sequence
         self._hashes: dict[int, list[BlockHash]] = {}  # chained hashes of full blocks
         self._swapped: set[int] = set()  # sequences whose table holds CPU block ids
+        # Times a table changed other than by taking free blocks: a table that stays gave
+        # entries back (copy on write, a sliding window, slots mapped ahead unused, a swap,
+        # a preemption), or a new one took a block that another holds (a prefix cache hit,
+        # a fork). The journal writes every group after one (Journal.can_write_some).
+        self.num_table_changes = 0
 
     # -- admission -------------------------------------------------------------------
 
@@ -171,6 +176,8 @@ class BlockManager:
         num_outside = self._num_outside_window(num_hit_tokens)
         for block_id in hits[num_outside:]:
             self.gpu.incref(block_id)
+            if self.gpu.ref_counts[block_id] > 1:
+                self.num_table_changes += 1
         num_slots = len(token_ids)
         if max_new_tokens is not None:
             num_slots = min(num_slots, num_hit_tokens + max_new_tokens)
@@ -231,6 +238,7 @@ class BlockManager:
             table[-1] = self.gpu.allocate(after=_before(table, len(table) - 1))
             self.gpu.free(last)
             self.counters.cow_copies += 1
+            self.num_table_changes += 1
             copy = (last, table[-1])
         while len(table) < self.blocks_for(target):
             table.append(self.gpu.allocate(after=_before(table, len(table))))
@@ -255,6 +263,7 @@ class BlockManager:
             self.gpu.free(table[index])
             table[index] = NO_BLOCK
             self.counters.window_freed_blocks += 1
+            self.num_table_changes += 1
 
     def _num_outside_window(self, position: int) -> int:
         """Leading blocks wholly before the window of ``position``: no layer reads them
@@ -273,6 +282,7 @@ class BlockManager:
         table = self.block_tables[seq.seq_id]
         while len(table) > self.blocks_for(target):
             self.gpu.free(table.pop())
+            self.num_table_changes += 1
         self._num_slots[seq.seq_id] = target
 
     def blocks_to_append(self, seq: Sequence, lookahead: int) -> int:
@@ -294,6 +304,7 @@ class BlockManager:
         table = self.block_tables[parent.seq_id]
         for block_id in _held(table):
             self._pool_of(parent).incref(block_id)
+        self.num_table_changes += 1
         self.block_tables[child.seq_id] = list(table)
         self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
         self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
@@ -303,6 +314,8 @@ class BlockManager:
         table = self.block_tables.pop(seq.seq_id, None)
         if table is None:
             return
+        if not seq.status.is_finished:  # preempted: its group stays, without the blocks
+            self.num_table_changes += 1
         pool = self._pool_of(seq)
         for block_id in _held(table):
             pool.free(block_id)
@@ -382,6 +395,7 @@ class BlockManager:
         self, group: SequenceGroup, status: SequenceStatus, src: BlockAllocator, dst: BlockAllocator
     ) -> BlockMapping:
         moved: dict[BlockId, BlockId] = {}
+        self.num_table_changes += 1
         for seq in group.get_seqs(status):
             table = self.block_tables[seq.seq_id]
             for index, block_id in enumerate(table):

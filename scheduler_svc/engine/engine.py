@@ -318,15 +318,16 @@ class LLMEngine:
         if self._ahead is None or journal is None:
             self._apply_text(outcome)
             return outcome
-        if not self._commit_due(outcome):
+        due, told = self._commit_due(outcome)
+        if not due:
             self._untold.update((group.request_id, group) for group in outcome.groups)
             return outcome
-        self._apply_text(outcome)
+        self._apply_text(outcome, told)
         # The state after this call, while the next one runs; the next is not pending
         # (a new leader finds the executor past this commit and recomputes). The round
         # trip to the store overlaps the next call's scheduling too.
         meta = self._meta(call.step.step_id)
-        outcome.durable = journal.commit(self.scheduler, meta, wait=False)
+        outcome.durable = journal.commit(self.scheduler, meta, wait=False, groups=told)
         journal.crash_if_asked("after_persist", settle=journal.settle)
         return outcome
 
@@ -369,21 +370,34 @@ class LLMEngine:
         self._answered_at = end
         return result
 
-    def _commit_due(self, outcome: StepOutcome) -> bool:
-        """Whether the call just applied, sent ahead of the next, is committed now. One that
-        only continued streams waits for a later commit while the last began less than
-        ``commit_interval_s`` ago: its groups' text and events are made with that commit
-        (``_untold``), and a crash before it finds the executor past the journal, which
-        recomputes (docs/architecture.md, "Async scheduling"). A first token, an end, or an
-        event made between steps (an abort, a deadline) is committed at once."""
+    def _commit_due(self, outcome: StepOutcome) -> tuple[bool, set[str] | None]:
+        """Whether the call just applied, sent ahead of the next, is committed now, and the
+        groups that commit tells (None: all). One that only continued streams waits for a
+        later commit while the last began less than ``commit_interval_s`` ago: its groups'
+        text and events are made with that commit (``_untold``), and a crash before it
+        finds the executor past the journal, which recomputes (docs/architecture.md,
+        "Async scheduling"). A first token or an end is committed at once, with only the
+        groups it starts or ends: the others wait for the interval all the same. An event
+        made between steps (an abort, a deadline), or a table that changed other than by
+        taking free blocks since the last commit (``Journal.can_write_some``), commits
+        all."""
+        journal = self.journal
         interval = self.scheduler.config.commit_interval_s
-        if not interval or outcome.finished or outcome.deltas or self.journal.has_events:
-            return True
+        if not interval or outcome.deltas or journal.has_events:
+            return True, None
+        if time.monotonic() - journal.committed_at >= interval:
+            return True, None
         streams = self.streams
-        for group in outcome.groups:
-            if not streams.has_events(group.request_id) and group.seqs[0].output_token_ids:
-                return True
-        return time.monotonic() - self.journal.committed_at >= interval
+        told = {
+            group.request_id
+            for group in outcome.groups
+            if not streams.has_events(group.request_id) and group.seqs[0].output_token_ids
+        }
+        if not told and not outcome.finished:
+            return False, None
+        if not journal.can_write_some(self.scheduler):
+            return True, None
+        return True, told | {group.request_id for group in outcome.finished}
 
     def _time_tokens(self, step: ExecuteStep, result: StepResult) -> None:
         """Tell the scheduler's pace how long the running streams waited per token since
@@ -518,11 +532,18 @@ class LLMEngine:
             outcome.deltas += refused
         return outcome
 
-    def _apply_text(self, outcome: StepOutcome) -> None:
+    def _apply_text(self, outcome: StepOutcome, told: set[str] | None = None) -> None:
         """The text of the groups without stop strings, the events, the journal's share:
-        of the groups the call ran, and of those calls that shared this commit ran."""
+        of the groups the call ran, and of those calls that shared this commit ran; only
+        of the groups ``told`` when given, the others waiting for a later commit."""
         groups = outcome.groups
-        if self._untold:
+        if told is not None:
+            earlier = [g for r in told if (g := self._untold.pop(r, None)) is not None]
+            self._untold.update((g.request_id, g) for g in groups if g.request_id not in told)
+            groups = [g for g in groups if g.request_id in told]
+            ran = {g.request_id for g in groups}
+            groups += [g for g in earlier if g.request_id not in ran]
+        elif self._untold:
             ran = {g.request_id for g in groups}
             groups = groups + [g for r, g in self._untold.items() if r not in ran]
             self._untold.clear()

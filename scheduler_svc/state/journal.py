@@ -78,6 +78,7 @@ class Journal:
         self._writer: ThreadPoolExecutor | None = None
         self._next: list[Future[None]] = []  # see next_landing
         self.committed_at = 0.0  # time.monotonic() of the last commit's start
+        self._changes_committed: int | None = None  # num_table_changes at the last commit
 
     def begin(self, epoch: int | None = None) -> StoredState:
         """Read back what the last leader left, under ``epoch`` (the caller's lease) or a
@@ -85,6 +86,7 @@ class Journal:
         self.epoch = self.store.begin_epoch() if epoch is None else epoch
         state = self.store.load()
         self._marks.clear()  # the first write of each group after a restart is whole
+        self._changes_committed = None
         self._commit_ids = itertools.count(state.last_commit_id + 1)
         return state
 
@@ -133,14 +135,25 @@ class Journal:
     def has_deferred(self) -> bool:
         return bool(self._dirty or self._deleted or self._consumed or self._events or self._taken)
 
+    def can_write_some(self, scheduler: Scheduler) -> bool:
+        """Whether a commit may write some of the touched groups and leave the others for a
+        later one: not once a table changed other than by taking free blocks since the
+        last commit (BlockManager.num_table_changes). A group left behind would be
+        restored with a table claiming a block it gave back, which another group written
+        here may hold, or would go on writing into a block that a newer table shares."""
+        return scheduler.block_manager.num_table_changes == self._changes_committed
+
     def commit(
         self,
         scheduler: Scheduler,
         meta: dict[str, str],
         pending_step: str | None = None,
         wait: bool = True,
+        groups: set[str] | None = None,
     ) -> Future[None] | None:
-        """Write every touched group, removal and deferred event in one atomic commit.
+        """Write every touched group, removal and deferred event in one atomic commit; of
+        the touched groups only those of ``groups`` when given (see ``can_write_some``),
+        the others staying touched for the next.
 
         Commits land one at a time, in order. With ``wait`` False the store's round trip
         is left to a writer thread, and the future it returns says when the commit landed
@@ -150,7 +163,11 @@ class Journal:
         upserts: dict[str, str] = {}
         appends: dict[str, str] = {}
         marks: dict[str, StoredMark] = {}
-        for rid, group in self._dirty.items():
+        dirty = self._dirty
+        if groups is not None:
+            assert self.can_write_some(scheduler), "a table changed: write every group"
+            dirty = {rid: self._dirty[rid] for rid in groups if rid in self._dirty}
+        for rid, group in dirty.items():
             queue, tables = _queue_of(group), _tables_of(scheduler, group)
             mark = self._marks.get(rid)
             delta = None
@@ -201,7 +218,12 @@ class Journal:
         self._marks.update(marks)
         for rid in self._deleted:
             self._marks.pop(rid, None)
-        self._dirty.clear()
+        if dirty is self._dirty:
+            dirty.clear()
+        else:
+            for rid in dirty:
+                del self._dirty[rid]
+        self._changes_committed = scheduler.block_manager.num_table_changes
         self._deleted.clear()
         self._consumed.clear()
         self._taken.clear()

@@ -30,6 +30,7 @@ from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
 from scheduler_svc.engine.lanes import Lane, Move, NewRequest
 from scheduler_svc.state.journal import Journal
+from scheduler_svc.state.persistence import group_from_json
 from scheduler_svc.state.state_store import InMemoryStateStore, StepCommit
 from scheduler_svc.state.streams import RequestDelta
 from tests.executor_svc.executor_proc import (
@@ -698,6 +699,40 @@ def test_calls_that_only_continue_streams_share_a_commit(server: Server) -> None
     assert [steps.counted[str(i)] for i in range(6)] == [len(t) for t, _ in shared]
 
 
+def test_a_first_token_commits_only_its_group_and_a_new_leader_from_there_loses_nothing(
+    server: Server, smollm2_dir: Path
+) -> None:
+    """Within the commit interval a newcomer's first token is committed with its group
+    alone: the groups that only went on stay behind in the store, their tokens in no
+    event yet. A leader killed right then and its successor leave every request's
+    events numbered 1, 2, ... without a gap or a repeat, and the tokens of a run that
+    no one killed."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    streams = {}
+    for killed in (False, True):
+        lane, store = _lane_sharing_commits(server, tokenizer, ("a", "b"))
+        _steps_sharing_a_commit(lane)
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        lane.incoming.append(NewRequest("c", [9, 10, 11], params, time.time()))
+        while not any(d.request_id == "c" for d in lane.step()[0].deltas):
+            pass
+        lane.engine.journal.settle()
+        stored = {r: group_from_json(t).group for r, t in store.load().groups.items()}
+        live = {g.request_id: g for g in lane.engine.scheduler.running}
+        assert stored["c"].seqs[0].output_token_ids == live["c"].seqs[0].output_token_ids
+        for request_id in ("a", "b"):  # behind: their last calls wait for the interval
+            behind = len(live[request_id].seqs[0].output_token_ids)
+            assert len(stored[request_id].seqs[0].output_token_ids) < behind
+        if killed:  # the leader is gone; the next one takes its journal over
+            lane = Lane("executor", _engine_on(server, tokenizer, store))
+        while lane.engine.has_unfinished():
+            lane.step()
+        lane.engine.flush()
+        streams[killed] = {r: _stream(store.read_events(r))[:2] for r in ("a", "b", "c")}
+        assert [len(streams[killed][r][0]) for r in ("a", "b", "c")] == [200, 200, 40]
+    assert streams[True] == streams[False]
+
+
 def test_a_request_ending_between_steps_first_gets_what_calls_sharing_a_commit_drew(
     server: Server, smollm2_dir: Path
 ) -> None:
@@ -770,8 +805,18 @@ def _lane_sharing_commits(
 ) -> tuple[Lane, InMemoryStateStore]:
     """A lane whose calls share commits for a minute, ``request_ids`` queued to it (greedy,
     200 tokens each, a deadline an hour away), and its store."""
-    info = server.client.init_cache()
     store = InMemoryStateStore()
+    lane = Lane("executor", _engine_on(server, tokenizer, store))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, timeout=3600.0)
+    for request_id in request_ids:
+        lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
+    return lane, store
+
+
+def _engine_on(server: Server, tokenizer: Any, store: InMemoryStateStore) -> LLMEngine:
+    """An engine whose calls share commits for a minute, leading ``store`` from what it
+    holds (a new term)."""
+    info = server.client.init_cache()
     cache = CacheConfig(
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
@@ -787,11 +832,7 @@ def _lane_sharing_commits(
         journal=Journal(store),
     )
     engine.recover(store.begin_epoch(server.next_epoch()))
-    lane = Lane("executor", engine)
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, timeout=3600.0)
-    for request_id in request_ids:
-        lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
-    return lane, store
+    return engine
 
 
 def _steps_sharing_a_commit(lane: Lane) -> list[StepOutcome]:

@@ -115,6 +115,62 @@ def test_a_long_group_is_written_whole_when_its_deltas_add_up_to_it(
     assert COMPACT_AFTER < most < 4 * COMPACT_AFTER  # compacted once the deltas added up
 
 
+class _WrittenStore(InMemoryStateStore):
+    """Keeps the ids of the groups each commit writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[set[str]] = []
+
+    def commit(self, commit: StepCommit) -> bool:
+        self.written.append({*commit.upsert_groups, *commit.append_groups})
+        return super().commit(commit)
+
+
+def test_a_commit_of_some_groups_leaves_the_others_and_none_follows_a_table_change(
+    journaled_engine: Callable[..., LLMEngine],
+) -> None:
+    """A commit may write some of the touched groups (a first token's, within the commit
+    interval); the others wait, still touched, for the next. Not once a table that stays
+    gave blocks back: its stored table would claim blocks another group may hold. Nor
+    once a new table shares a block another holds (a prefix cache hit)."""
+    store = _WrittenStore()
+    engine = journaled_engine(store, 1)
+    engine.recover()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for rid in ("x", "y"):
+        engine.add_request(rid, [100, 200, 300], params)
+    for _ in range(20):  # x's first block fills
+        engine.step()
+    engine.flush()
+    journal, scheduler = engine.journal, engine.scheduler
+    groups = {g.request_id: g for g in scheduler.running}
+    meta = {"step_id": "3"}
+    for group in groups.values():
+        journal.touch(group)
+    assert journal.can_write_some(scheduler)
+    journal.commit(scheduler, meta, groups={"x"})
+    journal.commit(scheduler, meta)
+    assert store.written[-2:] == [{"x"}, {"y"}]
+
+    bm = scheduler.block_manager
+    (seq,) = groups["x"].seqs
+    bm.append_slots(seq, lookahead=4 * bm.block_size)  # slots for steps in a row ...
+    assert journal.can_write_some(scheduler)  # (a table that grew claims nothing of others)
+    bm.unmap_ahead(seq)  # ... that did not run: their blocks go back
+    assert not journal.can_write_some(scheduler)
+    with pytest.raises(AssertionError):
+        journal.commit(scheduler, meta, groups={"y"})
+    journal.touch(groups["x"])
+    journal.commit(scheduler, meta)
+    assert store.written[-1] == {"x"} and journal.can_write_some(scheduler)
+
+    prompt = [100, 200, 300, *seq.output_token_ids]  # x's tokens: its full block hits
+    engine.add_request("z", prompt[: bm.block_size + 1], params)
+    engine.scheduler.schedule()
+    assert not journal.can_write_some(scheduler)
+
+
 @pytest.mark.parametrize(("kill_after", "num_decode_steps"), [(3, 4), (COMPACT_AFTER + 3, 1)])
 def test_a_new_leader_resumes_from_deltas(
     journaled_engine: Callable[..., LLMEngine], kill_after: int, num_decode_steps: int
