@@ -153,7 +153,8 @@ class Journal:
     ) -> Future[None] | None:
         """Write every touched group, removal and deferred event in one atomic commit; of
         the touched groups only those of ``groups`` when given (see ``can_write_some``),
-        the others staying touched for the next.
+        and those of requests leaving the submission queue or another lane, the others
+        staying touched for the next.
 
         Commits land one at a time, in order. With ``wait`` False the store's round trip
         is left to a writer thread, and the future it returns says when the commit landed
@@ -166,7 +167,10 @@ class Journal:
         dirty = self._dirty
         if groups is not None:
             assert self.can_write_some(scheduler), "a table changed: write every group"
-            dirty = {rid: self._dirty[rid] for rid in groups if rid in self._dirty}
+            # A request leaves the submission queue, or the lane it moved from, only in
+            # the commit that writes its group: else a crash between would lose it.
+            wanted = groups.union(self._consumed, self._taken)
+            dirty = {rid: self._dirty[rid] for rid in wanted if rid in self._dirty}
         for rid, group in dirty.items():
             queue, tables = _queue_of(group), _tables_of(scheduler, group)
             mark = self._marks.get(rid)

@@ -152,6 +152,15 @@ def test_a_commit_of_some_groups_leaves_the_others_and_none_follows_a_table_chan
     journal.commit(scheduler, meta, groups={"x"})
     journal.commit(scheduler, meta)
     assert store.written[-2:] == [{"x"}, {"y"}]
+    # A request taken from the submission queue leaves it with its group written.
+    submitted = engine.add_request("w", [100, 200], params)
+    journal.touch(groups["x"])
+    journal.commit(scheduler, meta, groups={"x"})
+    assert store.written[-1] == {"x", "w"}
+    assert "w" in store.load().groups
+    scheduler.abort(submitted.request_id)
+    journal.remove(submitted.request_id)
+    journal.commit(scheduler, meta)
 
     bm = scheduler.block_manager
     (seq,) = groups["x"].seqs
