@@ -28,13 +28,13 @@ from scheduler_svc.api.dashboard import Dashboard, add_dashboard_routes
 from scheduler_svc.api.errors import APIError, client_error
 from scheduler_svc.api.keys import ApiKeys
 from scheduler_svc.api.protocol import ParsedRequest, check_request_id, parse_completion
-from scheduler_svc.api.render import VERSION, Choice, Renderer
+from scheduler_svc.api.render import VERSION, Renderer
 from scheduler_svc.api.schema import describe
 from scheduler_svc.api.structured import load_engine, wants_grammar
 from scheduler_svc.api.tokens import add_token_routes
 from scheduler_svc.api.wire import decode_body, read_body
 from scheduler_svc.engine.async_engine import AsyncEngine
-from scheduler_svc.state.streams import RequestDelta
+from scheduler_svc.state.streams import Choice, RequestDelta
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer

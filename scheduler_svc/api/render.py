@@ -6,40 +6,13 @@ import importlib.metadata
 import itertools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.step import PromptLogprob
 from scheduler_svc.api.errors import client_error
 from scheduler_svc.api.protocol import ParsedRequest
 from scheduler_svc.api.wire import finite_logprob, to_json
-from scheduler_svc.state.streams import RequestDelta, SeqDelta
-
-
-@dataclass(slots=True)
-class Choice:
-    """One output accumulated from its deltas. Its text is kept in parts and joined when
-    read: a long answer comes in thousands of deltas, and adding each to one string would
-    copy the string each time."""
-
-    parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def text(self) -> str:
-        if len(self.parts) > 1:
-            self.parts[:] = ["".join(self.parts)]
-        return self.parts[0] if self.parts else ""
-
-    def add(self, out: SeqDelta | Choice) -> None:
-        self.parts.append(out.text)
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.top_logprobs += out.top_logprobs
-        self.finish_reason = out.finish_reason or self.finish_reason
+from scheduler_svc.state.streams import Choice, RequestDelta
 
 
 def _version() -> str:

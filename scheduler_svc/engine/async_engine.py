@@ -35,6 +35,7 @@ from scheduler_svc.state.leader import Lease, LeaseKeeper
 from scheduler_svc.state.state_store import StaleEpochError, StateStore, StoreBehindError
 from scheduler_svc.state.store_stream import StoreStream, request_owner, request_record
 from scheduler_svc.state.streams import (
+    Choice,
     EngineDeadError,
     QueueFullError,
     RequestDelta,
@@ -567,14 +568,14 @@ class _Inbox:
 
 
 class _Fold:
-    """Consecutive events of one request as one: the outputs' text, tokens and scores
-    joined, the last event's number and end. A copy: the events published are shared."""
+    """Consecutive events of one request as one: each output accumulated (``Choice``, as
+    the front door accumulates a whole answer), the last event's number and end. The
+    events published are shared, so nothing of theirs is changed."""
 
     def __init__(self, first: RequestDelta) -> None:
         self.delta = dataclasses.replace(first, outputs=[])
-        self._outputs: dict[int, tuple[SeqDelta, list[str]]] = {}  # by index: output, pieces
-        for out in first.outputs:
-            self._add(out)
+        self._choices: dict[int, Choice] = {}  # by output index, in order of appearance
+        self._add(first)
 
     def absorb(self, delta: RequestDelta) -> bool:
         """Fold ``delta`` in, or drop it when already folded (an event sent again after a
@@ -585,36 +586,23 @@ class _Fold:
             return True
         if delta.event != folded.event + 1 or delta.error is not None:
             return False
-        outputs = self._outputs
-        for out in delta.outputs:
-            if out.index not in outputs:
-                self._add(out)
-                continue
-            into, pieces = outputs[out.index]
-            pieces.append(out.text)
-            into.token_ids += out.token_ids
-            into.logprobs += out.logprobs
-            into.top_logprobs += out.top_logprobs
-            into.finish_reason = out.finish_reason or into.finish_reason
+        self._add(delta)
         folded.event, folded.finished = delta.event, delta.finished
         return True
 
     def close(self) -> None:
-        """Join each output's text (kept in pieces: joining at each event would copy it)."""
-        for out, pieces in self._outputs.values():
-            out.text = "".join(pieces)
+        """The folded event's outputs, from what each accumulated."""
+        self.delta.outputs = [
+            SeqDelta(index, c.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason)
+            for index, c in self._choices.items()
+        ]
 
-    def _add(self, out: SeqDelta) -> None:
-        copy = SeqDelta(
-            out.index,
-            out.text,
-            list(out.token_ids),
-            list(out.logprobs),
-            list(out.top_logprobs),
-            out.finish_reason,
-        )
-        self.delta.outputs.append(copy)
-        self._outputs[out.index] = (copy, [out.text])
+    def _add(self, delta: RequestDelta) -> None:
+        for out in delta.outputs:
+            choice = self._choices.get(out.index)
+            if choice is None:
+                choice = self._choices[out.index] = Choice()
+            choice.add(out)
 
 
 def _checked(delta: RequestDelta) -> RequestDelta:

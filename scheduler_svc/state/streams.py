@@ -90,6 +90,32 @@ class RequestDelta:
         return cls(**data, outputs=outputs)
 
 
+@dataclass(slots=True)
+class Choice:
+    """One output accumulated from its deltas. Its text is kept in parts and joined when
+    read: a long answer comes in thousands of deltas, and adding each to one string would
+    copy the string each time."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+    def add(self, out: SeqDelta | Choice) -> None:
+        self.parts.append(out.text)
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.top_logprobs += out.top_logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+
+
 _SEQ_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(SeqDelta))
 _REQUEST_DELTA_FIELDS = tuple(
     f.name for f in dataclasses.fields(RequestDelta) if f.name not in ("outputs", "prompt_logprobs")

@@ -714,8 +714,11 @@ def test_a_first_token_commits_only_its_group_and_a_new_leader_from_there_loses_
         _steps_sharing_a_commit(lane)
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         lane.incoming.append(NewRequest("c", [9, 10, 11], params, time.time()))
-        while not any(d.request_id == "c" for d in lane.step()[0].deltas):
-            pass
+        for _ in range(20):  # the step whose commit publishes c's first token
+            if any(d.request_id == "c" for d in lane.step()[0].deltas):
+                break
+        else:
+            pytest.fail("the newcomer's first token never came")
         lane.engine.journal.settle()
         stored = {r: group_from_json(t).group for r, t in store.load().groups.items()}
         live = {g.request_id: g for g in lane.engine.scheduler.running}

@@ -11,9 +11,9 @@ import pytest
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.api.grpc_frontdoor import _Reply
 from scheduler_svc.api.protocol import ParsedRequest
-from scheduler_svc.api.render import Choice, Renderer
+from scheduler_svc.api.render import Renderer
 from scheduler_svc.api.wire import LOGPROB_FLOOR, to_json
-from scheduler_svc.state.streams import RequestDelta, SeqDelta
+from scheduler_svc.state.streams import Choice, RequestDelta, SeqDelta
 
 NON_FINITE = [-math.inf, math.nan, math.inf]
 TOPS = [{1: -math.inf, 2: math.nan}, {3: math.inf}, {4: -0.5}]
