@@ -29,12 +29,22 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+def _worker_range(low: int, high: int) -> tuple[int, int]:
+    """This xdist worker's own slice of [low, high): two workers choose ports independently,
+    and a port one chose may sit unbound for seconds while its server loads (a CI run once
+    had the TLS front door's port taken that way)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (high - low) // count
+    return low + int(worker) * width, low + (int(worker) + 1) * width
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, never the same twice in this process, and below
     the ephemeral range: a port the kernel handed out for a bind to port 0 could be handed out
     again, to the next caller or to a server's own outgoing connection, before the server that
     was given it binds (a CI run once gave a server's HTTP port and its executor's the same)."""
-    low, high = 10_000, _ephemeral_start()
+    low, high = _worker_range(10_000, _ephemeral_start())
     while True:
         port = _ports.randrange(low, high) if high - low > 1_000 else 0
         with socket.socket() as s:
