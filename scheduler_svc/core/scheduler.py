@@ -169,17 +169,12 @@ class Scheduler:
                 return None
             num_steps = min(k, params.max_tokens - len(seq.output_token_ids) - drawing)
             if num_steps > 0:  # else it ends by length with the call in flight
-                going.append((group, seq, drawing + num_steps - 1))
-        bm = self.block_manager
-        needed = sum(bm.blocks_to_append(seq, lookahead) for _, seq, lookahead in going)
-        if not going or bm.gpu.num_free_blocks - needed < bm.watermark_blocks:
+                going.append((group, seq, seq.get_len() + drawing + num_steps - 1))
+        if not going or not self.block_manager.map_ahead([(seq, end) for _, seq, end in going]):
             return None
         out = SchedulerOutput()
-        for group, seq, lookahead in going:
-            copy = bm.append_slots(seq, lookahead)
-            assert copy is None, "the call in flight already made the tail private"
-            out.scheduled.append(ScheduledGroup(group, is_prefill=False))
-            out.num_batched_tokens += 1
+        out.scheduled = [ScheduledGroup(group, is_prefill=False) for group, _, _ in going]
+        out.num_batched_tokens = len(going)
         self._schedule_waiting(out)
         return out
 

@@ -318,9 +318,15 @@ class RedisStateStore:
         keys = [self._key("epoch")]
         keys += [self._lane_key(k) for k in ("last_commit", "meta", "groups", "pending_step")]
         keys.append(self._key("queue"))
+        # By prefix: a commit names three keys for each of hundreds of requests.
+        events, request, deltas = (
+            self._key("events", ""),
+            self._key("request", ""),
+            self._lane_key("deltas", ""),
+        )
         for rid in touched:
-            keys += [self._key("events", rid), self._key("request", rid)]
-        keys += [self._lane_key("deltas", rid) for rid in grouped]
+            keys += (events + rid, request + rid)
+        keys += [deltas + rid for rid in grouped]
         for rid, source in commit.taken_over.items():
             keys += [self._lane_key_of(source, "groups"), self._lane_key_of(source, "deltas", rid)]
         args = [orjson.dumps(payload), self._finished_ttl_ms]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
@@ -212,3 +214,46 @@ def test_allocator_refuses_double_free_and_exhaustion():
     with pytest.raises(ValueError, match="double free"):
         pool.free(0)
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_mapping_ahead_in_one_pass_equals_appending_slots_sequence_by_sequence(window):
+    """Calls sent ahead map every running sequence's slots at once (``map_ahead``): the
+    tables, slot counts, published prefix blocks and free blocks are those that
+    ``append_slots`` gives one sequence at a time, over block boundaries and the
+    steps of calls in a row, under a sliding window too; past the watermark it refuses
+    and changes nothing."""
+    rng = random.Random(window)
+
+    def build() -> tuple[BlockManager, list[Sequence]]:
+        bm = BlockManager(
+            4, 64, 0, watermark=0.1, enable_prefix_caching=True, sliding_window=window
+        )
+        seqs = []
+        for i in range(6):
+            group = make_group(str(i), [1, 2, 3, 4, 5, 6][: 1 + i] + [9] * (i % 3), seq_id=i)
+            admit(bm, group)
+            seqs.append(group.seqs[0])
+        return bm, seqs
+
+    (one, one_seqs), (bulk, bulk_seqs) = build(), build()
+    for _ in range(30):
+        lookaheads = [rng.choice([0, 0, 1, 3, 7]) for _ in one_seqs]
+        token = rng.randrange(1, 4)
+        for seq in one_seqs + bulk_seqs:
+            seq.num_computed_tokens = seq.get_len()
+            seq.append_token(token)
+        for seq, lookahead in zip(one_seqs, lookaheads, strict=True):
+            assert one.append_slots(seq, lookahead) is None
+        targets = [(s, s.get_len() + k) for s, k in zip(bulk_seqs, lookaheads, strict=True)]
+        assert bulk.map_ahead(targets)
+        for bm in (one, bulk):
+            bm.check_integrity()
+        assert bulk.block_tables == one.block_tables
+        assert bulk._num_slots == one._num_slots and bulk._hashes == one._hashes
+        assert bulk.gpu.num_free_blocks == one.gpu.num_free_blocks
+        assert bulk.gpu.cached_block_ids() == one.gpu.cached_block_ids()
+    before = ({k: list(v) for k, v in bulk.block_tables.items()}, dict(bulk._num_slots))
+    far = [(s, s.get_len() + 4 * 64) for s in bulk_seqs]
+    assert not bulk.map_ahead(far)
+    assert (bulk.block_tables, bulk._num_slots) == before
