@@ -229,36 +229,14 @@ class BlockManager:
     def map_ahead(self, targets: list[tuple[Sequence, int]]) -> bool:
         """Map each sequence's slots up to its target, for a call sent ahead of the one in
         flight, which made every tail private (no copy on write); False, changing nothing,
-        unless all fit above the watermark.
-
-        What ``blocks_to_append`` and ``append_slots`` do for each, in two passes over
-        hundreds of sequences each call: most targets stay inside the last block, and
-        only the slot count moves."""
-        bs, tables, slots = self.block_size, self.block_tables, self._num_slots
-        needed = 0
-        for seq, target in targets:
-            num_new = -(-target // bs) - len(tables[seq.seq_id])
-            if num_new > 0:
-                needed += num_new
+        unless all fit above the watermark."""
+        tables = self.block_tables
+        needed = sum(max(0, self.blocks_for(t) - len(tables[s.seq_id])) for s, t in targets)
         if self.gpu.num_free_blocks - needed < self.watermark_blocks:
             return False
-        hashes = self._hashes if self.enable_prefix_caching else None
-        ref_counts = self.gpu.ref_counts
         for seq, target in targets:
-            seq_id = seq.seq_id
-            table, held = tables[seq_id], slots[seq_id]
-            if (
-                self.sliding_window
-                or target > len(table) * bs
-                or (held < target and held % bs and ref_counts[table[-1]] > 1)
-            ):
-                copy = self._map(seq, target)
-                assert copy is None, "the call in flight already made the tail private"
-                continue
-            if target > held:
-                slots[seq_id] = held = target
-            if hashes is not None and min(held, seq.get_len()) // bs > len(hashes[seq_id]):
-                self._register_full_blocks(seq, len(hashes[seq_id]))
+            copy = self._map(seq, target)
+            assert copy is None, "the call in flight already made the tail private"
         return True
 
     def _map(self, seq: Sequence, target: int) -> tuple[BlockId, BlockId] | None:
