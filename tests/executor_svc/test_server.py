@@ -963,17 +963,19 @@ class _Slow(_Recorded):
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_long_calls_are_sent_ahead_only_in_a_quiet_spell(server: Server, quiet: bool) -> None:
-    """With steps that take 100 times the engine's own work per call, a call is not sent
-    ahead while requests keep arriving (it is, at most, before the engine has timed a
+    """With steps that take 30 to 100 times the engine's own work per call, a call is not
+    sent ahead while requests keep arriving (it is, at most, before the engine has timed a
     call): a newcomer would wait for it too, and the overlap gains little. Once no request
     has come for decode_steps_quiet_s, calls are sent ahead again. The tokens are the
-    same either way."""
+    same either way. The share asked is a half, not the serving default's tenth: on a
+    loaded machine (CI's workers side by side) the engine's own time per call reached a
+    tenth of these steps."""
     info = server.client.init_cache()
     want, _ = _arrivals(server.client, info, server.next_epoch(), 1)
     slow = _Slow(server.client, 0.1)
     quiet_s = 0.0 if quiet else 60.0
     got, engine = _arrivals(
-        slow, info, server.next_epoch(), 1, ahead_min_share=0.1, decode_steps_quiet_s=quiet_s
+        slow, info, server.next_epoch(), 1, ahead_min_share=0.5, decode_steps_quiet_s=quiet_s
     )
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     num_calls = len(slow.steps)
