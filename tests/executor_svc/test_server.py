@@ -736,6 +736,52 @@ def test_a_first_token_commits_only_its_group_and_a_new_leader_from_there_loses_
     assert streams[True] == streams[False]
 
 
+def test_a_commit_of_some_groups_whose_calls_ahead_never_arrived_resumes_each_group(
+    server: Server, smollm2_dir: Path
+) -> None:
+    """As above, but the calls sent ahead of the one that committed the newcomer's first
+    token never reach the executor (lost with the leader), so the successor finds it not
+    past the journal: nothing is recomputed, each group goes on from its own stored
+    tokens (those left behind feed their last stored token again, over positions the
+    executor had computed), and the streams are those of a run that no one killed."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    streams = {}
+    for killed in (False, True):
+        executor = _LostAfterPrompt(server.client, lose=killed)
+        store = InMemoryStateStore()
+        lane = Lane("executor", _engine_on(server, tokenizer, store, executor))
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        for request_id in ("a", "b"):
+            lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
+        _steps_sharing_a_commit(lane)
+        executor.armed = True
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        lane.incoming.append(NewRequest("c", [9, 10, 11], params, time.time()))
+        for _ in range(20):  # the step whose commit publishes c's first token
+            if any(d.request_id == "c" for d in lane.step()[0].deltas):
+                break
+        else:
+            pytest.fail("the newcomer's first token never came")
+        lane.engine.journal.settle()
+        stored = {r: group_from_json(t).group for r, t in store.load().groups.items()}
+        live = {g.request_id: g for g in lane.engine.scheduler.running}
+        for request_id in ("a", "b"):
+            behind = len(live[request_id].seqs[0].output_token_ids)
+            assert len(stored[request_id].seqs[0].output_token_ids) < behind
+        if killed:
+            assert executor.lost  # the calls sent ahead of the commit's
+            lane = Lane("executor", _engine_on(server, tokenizer, store))
+            last_step_id = server.client.get_stats().last_step_id
+            assert last_step_id == int(store.load().meta["step_id"]) == executor.prompt_step
+            assert sorted(g.request_id for g in lane.engine.scheduler.running) == ["a", "b", "c"]
+        while lane.engine.has_unfinished():
+            lane.step()
+        lane.engine.flush()
+        streams[killed] = {r: _stream(store.read_events(r))[:2] for r in ("a", "b", "c")}
+        assert [len(streams[killed][r][0]) for r in ("a", "b", "c")] == [200, 200, 40]
+    assert streams[True] == streams[False]
+
+
 def test_a_request_ending_between_steps_first_gets_what_calls_sharing_a_commit_drew(
     server: Server, smollm2_dir: Path
 ) -> None:
@@ -816,9 +862,14 @@ def _lane_sharing_commits(
     return lane, store
 
 
-def _engine_on(server: Server, tokenizer: Any, store: InMemoryStateStore) -> LLMEngine:
+def _engine_on(
+    server: Server,
+    tokenizer: Any,
+    store: InMemoryStateStore,
+    executor: StepExecutor | None = None,
+) -> LLMEngine:
     """An engine whose calls share commits for a minute, leading ``store`` from what it
-    holds (a new term)."""
+    holds (a new term), through ``executor`` (the gRPC client)."""
     info = server.client.init_cache()
     cache = CacheConfig(
         block_size=info.block_size,
@@ -827,7 +878,7 @@ def _engine_on(server: Server, tokenizer: Any, store: InMemoryStateStore) -> LLM
     )
     sched = SchedulerConfig(max_model_len=info.max_model_len, commit_interval_s=60.0)
     engine = LLMEngine(
-        server.client,
+        executor or server.client,
         cache,
         sched,
         info.eos_token_id,
@@ -913,6 +964,29 @@ class _Recorded:
 
     def end_steps(self, step_id: int) -> None:
         self.client.end_steps(step_id)
+
+
+class _LostAfterPrompt(_Recorded):
+    """The gRPC client; once ``armed``, and with ``lose``, every call sent after the one
+    carrying a prompt (``prompt_step``) is lost on the way: never sent, never answered."""
+
+    def __init__(self, client: ExecutorClient, lose: bool) -> None:
+        super().__init__(client)
+        self.lose, self.armed = lose, False
+        self.prompt_step: int | None = None
+        self.lost: list[int] = []
+
+    def start(self, step: ExecuteStep) -> Callable[[], StepResult]:
+        if self.lose and self.prompt_step is not None:
+            self.lost.append(step.step_id)
+
+            def never() -> StepResult:
+                raise AssertionError(f"step {step.step_id} was lost: no answer comes")
+
+            return never
+        if self.armed and any(len(s.new_token_ids) > 1 for s in step.seqs):
+            self.prompt_step = step.step_id
+        return super().start(step)
 
 
 class _ArrivingWhileWaiting(_Recorded):
