@@ -179,16 +179,22 @@ class Load:
         self.body = {"model": model, "ignore_eos": True}
         self.body["temperature"] = 0.0
         self.rng = random.Random(args.seed)
+        self.prefix = [self.rng.randrange(1000, VOCAB_SIZE) for _ in range(args.shared_prefix)]
         self.slots: list[asyncio.Task] = []
 
     def grow(self, num_seqs: int) -> None:
         while len(self.slots) < num_seqs:
             self.slots.append(asyncio.create_task(self._slot()))
 
+    def prompt(self) -> list[int]:
+        """The next prompt: the shared prefix, then tokens drawn for it alone."""
+        num_drawn = self.args.prompt_len - len(self.prefix)
+        return self.prefix + [self.rng.randrange(1000, VOCAB_SIZE) for _ in range(num_drawn)]
+
     async def _slot(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=None) as http:
             while True:
-                prompt = [self.rng.randrange(1000, VOCAB_SIZE) for _ in range(self.args.prompt_len)]
+                prompt = self.prompt()
                 low = self.args.min_tokens or self.args.max_tokens
                 body = {"prompt": prompt, "max_tokens": self.rng.randint(low, self.args.max_tokens)}
                 response = await http.post("/v1/completions", json=self.body | body)
@@ -387,6 +393,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before each window")
     p.add_argument("--window", type=float, default=5.0, help="seconds measured per level")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of each prompt")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens every prompt begins with, as a chat load's system prompt (prefix-cache "
+        "hits: each admission makes the next commit write every group)",
+    )
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens of each request")
     p.add_argument(
         "--min-tokens",
@@ -422,6 +435,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.scheduling = args.scheduling.split(",")
     if not set(args.scheduling) <= {"async", "sync"}:
         p.error("--scheduling takes async, sync or both")
+    if not 0 <= args.shared_prefix <= args.prompt_len:
+        p.error("--shared-prefix must be between 0 and --prompt-len")
     if args.seqs != sorted(args.seqs):
         p.error("--seqs must rise: each level adds sequences to the running ones")
     return args
@@ -432,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = run(args)
     print(
         f"stand-in executor (sleeping forward pass) behind the scheduler with Redis journaling; "
-        f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, EOS ignored; "
+        f"{args.prompt_len}-token prompts ({args.shared_prefix} of them shared), "
+        f"{args.max_tokens} tokens each, EOS ignored; "
         f"{args.window:g} s windows"
     )
     print_results(runs)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.control_plane import Counters, Sample, figures
+from bench.control_plane import Counters, Load, Sample, figures, parse_args
 from bench.standin_executor import standin_token
 from pagedserve.settings import SERVING_COMMIT_INTERVAL_S
 
@@ -52,6 +52,19 @@ def test_figures_of_a_window() -> None:
     assert f["client_cpu_cores"] == pytest.approx(0.05)
     assert f["executor_cpu_ms_per_call"] == pytest.approx(2.0)
     assert f["arrivals_per_s"] == 10 and f["ttft_mean_ms"] == 150  # 3 s over 20 first tokens
+
+
+def test_prompts_share_the_prefix_asked_for_and_differ_after_it() -> None:
+    for shared in (0, 48):
+        load = Load(
+            "http://unused", "m", parse_args(["--prompt-len=64", f"--shared-prefix={shared}"])
+        )
+        a, b = load.prompt(), load.prompt()
+        assert len(a) == len(b) == 64
+        assert a[:shared] == b[:shared] and a[shared:] != b[shared:]
+        assert a[shared] != b[shared]  # not a token longer
+    with pytest.raises(SystemExit):
+        parse_args(["--prompt-len=64", "--shared-prefix=65"])
 
 
 def test_standin_tokens_depend_on_sequence_and_position_only() -> None:
