@@ -29,7 +29,7 @@ from scheduler_svc.engine.admission import DEFAULT_LIMITS, Admission, AdmissionL
 from scheduler_svc.engine.engine import LLMEngine, StepOutcome
 from scheduler_svc.engine.executor_client import StepRefused
 from scheduler_svc.engine.lane_set import Fleet, LaneSet, probe_stats
-from scheduler_svc.engine.lanes import Lane, NewRequest
+from scheduler_svc.engine.lanes import Lane, Move, NewRequest
 from scheduler_svc.engine.step_observer import StepObserver
 from scheduler_svc.state.leader import Lease, LeaseKeeper
 from scheduler_svc.state.state_store import StaleEpochError, StateStore, StoreBehindError
@@ -387,28 +387,43 @@ class AsyncEngine:
     async def _run_lane(self, lane: Lane) -> None:
         unpublished: deque[StepOutcome] = deque()  # in step order, waiting for their commit
         loop = asyncio.get_running_loop()
+        stop = threading.Event()  # the task ended: no step after the one running
 
         def landed(_: object) -> None:  # on the journal's writer thread
             loop.call_soon_threadsafe(self._publish_durable, unpublished)
+
+        def publish(outcome: StepOutcome) -> None:
+            unpublished.append(outcome)
+            self._publish_durable(unpublished)
+            if outcome.durable is not None and not outcome.durable.done():
+                outcome.durable.add_done_callback(landed)
+
+        def steps() -> tuple[StepOutcome, list[Move]]:
+            """The lane's steps back to back on one thread while it has work, each observed
+            right after it (StepObserver), then handed to this loop to publish: the next
+            step does not wait for the loop. Returns the last, with the groups it moved,
+            once the lane runs out of work or retires, or the task ended."""
+            while True:
+                outcome, moved = lane.step()
+                # Counted before its clients see it, and before a flush that the term's
+                # end may cut short: the step's commit can land all the same, ending
+                # streams that the next term will not run again.
+                self._observe(lane, outcome)
+                if stop.is_set() or lane.retiring or not lane.has_work():
+                    return outcome, moved
+                loop.call_soon_threadsafe(publish, outcome)
 
         try:
             while True:
                 if not lane.has_work():
                     await lane.wake.wait()
                 lane.wake.clear()
-                outcome, moved = await asyncio.to_thread(lane.step)
-                # Counted before its clients see it, and before a flush that the term's end
-                # may cut short: the step's commit can land all the same, ending streams
-                # that the next term will not run again. The lane's thread is between steps.
-                self._observe(lane, outcome)
+                outcome, moved = await asyncio.to_thread(steps)
                 if not lane.has_work():  # what it commits has landed when it returns
                     told = await asyncio.to_thread(lane.engine.flush)
                     self._observe(lane, StepOutcome(deltas=told))
                     outcome.deltas += told
-                unpublished.append(outcome)
-                self._publish_durable(unpublished)
-                if outcome.durable is not None and not outcome.durable.done():
-                    outcome.durable.add_done_callback(landed)
+                publish(outcome)
                 if lane.retiring:
                     await self.lane_set.retire(lane, moved)
                     return
@@ -433,6 +448,8 @@ class AsyncEngine:
         except Exception as e:
             self._die(lane, e)
             raise
+        finally:
+            stop.set()
 
     def _observe(self, lane: Lane, outcome: StepOutcome) -> None:
         if self.observer is not None:
