@@ -699,19 +699,26 @@ def test_calls_that_only_continue_streams_share_a_commit(server: Server) -> None
     assert [steps.counted[str(i)] for i in range(6)] == [len(t) for t, _ in shared]
 
 
+@pytest.mark.parametrize("ahead_lost", [False, True])
 def test_a_first_token_commits_only_its_group_and_a_new_leader_from_there_loses_nothing(
-    server: Server, smollm2_dir: Path
+    server: Server, smollm2_dir: Path, ahead_lost: bool
 ) -> None:
     """Within the commit interval a newcomer's first token is committed with its group
     alone: the groups that only went on stay behind in the store, their tokens in no
     event yet. A leader killed right then and its successor leave every request's
     events numbered 1, 2, ... without a gap or a repeat, and the tokens of a run that
-    no one killed."""
+    no one killed. With ``ahead_lost`` the calls sent ahead of the one that committed
+    never reach the executor (lost with the leader), so the successor finds it not past
+    the journal: nothing is recomputed, and each group goes on from its own stored
+    tokens (those left behind feed their last stored token again, over positions the
+    executor had computed)."""
     tokenizer = load_tokenizer(smollm2_dir)
     streams = {}
     for killed in (False, True):
-        lane, store = _lane_sharing_commits(server, tokenizer, ("a", "b"))
+        executor = _LostAfterPrompt(server.client, lose=killed and ahead_lost)
+        lane, store = _lane_sharing_commits(server, tokenizer, ("a", "b"), executor)
         _steps_sharing_a_commit(lane)
+        executor.armed = True
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         lane.incoming.append(NewRequest("c", [9, 10, 11], params, time.time()))
         for _ in range(20):  # the step whose commit publishes c's first token
@@ -728,49 +735,8 @@ def test_a_first_token_commits_only_its_group_and_a_new_leader_from_there_loses_
             assert len(stored[request_id].seqs[0].output_token_ids) < behind
         if killed:  # the leader is gone; the next one takes its journal over
             lane = Lane("executor", _engine_on(server, tokenizer, store))
-        while lane.engine.has_unfinished():
-            lane.step()
-        lane.engine.flush()
-        streams[killed] = {r: _stream(store.read_events(r))[:2] for r in ("a", "b", "c")}
-        assert [len(streams[killed][r][0]) for r in ("a", "b", "c")] == [200, 200, 40]
-    assert streams[True] == streams[False]
-
-
-def test_a_commit_of_some_groups_whose_calls_ahead_never_arrived_resumes_each_group(
-    server: Server, smollm2_dir: Path
-) -> None:
-    """As above, but the calls sent ahead of the one that committed the newcomer's first
-    token never reach the executor (lost with the leader), so the successor finds it not
-    past the journal: nothing is recomputed, each group goes on from its own stored
-    tokens (those left behind feed their last stored token again, over positions the
-    executor had computed), and the streams are those of a run that no one killed."""
-    tokenizer = load_tokenizer(smollm2_dir)
-    streams = {}
-    for killed in (False, True):
-        executor = _LostAfterPrompt(server.client, lose=killed)
-        store = InMemoryStateStore()
-        lane = Lane("executor", _engine_on(server, tokenizer, store, executor))
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        for request_id in ("a", "b"):
-            lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
-        _steps_sharing_a_commit(lane)
-        executor.armed = True
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        lane.incoming.append(NewRequest("c", [9, 10, 11], params, time.time()))
-        for _ in range(20):  # the step whose commit publishes c's first token
-            if any(d.request_id == "c" for d in lane.step()[0].deltas):
-                break
-        else:
-            pytest.fail("the newcomer's first token never came")
-        lane.engine.journal.settle()
-        stored = {r: group_from_json(t).group for r, t in store.load().groups.items()}
-        live = {g.request_id: g for g in lane.engine.scheduler.running}
-        for request_id in ("a", "b"):
-            behind = len(live[request_id].seqs[0].output_token_ids)
-            assert len(stored[request_id].seqs[0].output_token_ids) < behind
-        if killed:
+        if killed and ahead_lost:
             assert executor.lost  # the calls sent ahead of the commit's
-            lane = Lane("executor", _engine_on(server, tokenizer, store))
             last_step_id = server.client.get_stats().last_step_id
             assert last_step_id == int(store.load().meta["step_id"]) == executor.prompt_step
             assert sorted(g.request_id for g in lane.engine.scheduler.running) == ["a", "b", "c"]
@@ -850,12 +816,16 @@ def test_a_group_moving_in_after_calls_sharing_a_commit_leaves_each_event_stored
 
 
 def _lane_sharing_commits(
-    server: Server, tokenizer: Any, request_ids: tuple[str, ...]
+    server: Server,
+    tokenizer: Any,
+    request_ids: tuple[str, ...],
+    executor: StepExecutor | None = None,
 ) -> tuple[Lane, InMemoryStateStore]:
     """A lane whose calls share commits for a minute, ``request_ids`` queued to it (greedy,
-    200 tokens each, a deadline an hour away), and its store."""
+    200 tokens each, a deadline an hour away), and its store; through ``executor`` (the
+    gRPC client)."""
     store = InMemoryStateStore()
-    lane = Lane("executor", _engine_on(server, tokenizer, store))
+    lane = Lane("executor", _engine_on(server, tokenizer, store, executor))
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, timeout=3600.0)
     for request_id in request_ids:
         lane.incoming.append(NewRequest(request_id, [5, 6, 7], params, time.time()))
