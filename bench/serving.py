@@ -262,7 +262,7 @@ def sweep_vllm_client(url: str, args: argparse.Namespace, name: str) -> dict[str
                 path = Path(data) / f"sharegpt-{i}.json"
                 dataset = sharegpt_dataset(trace, hf_tokenizer, path)
             else:
-                dataset = random_dataset(args.input_len, args.output_len)
+                dataset = random_dataset(args.input_len, args.output_len, args.prefix_len)
             flags = client_args(url, model, tokenizer, rate, args.num_requests, dataset, seed)
             timeout = args.duration + args.drain + args.num_requests / rate
             try:
@@ -478,6 +478,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="--client vllm: output tokens")
     p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="--client vllm, random: tokens every prompt begins with, before its own "
+        "--input-len (a system prompt both servers' prefix caches can share)",
+    )
+    p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
         help=f"some of {SYSTEMS} (--client vllm: of {CLIENT_SYSTEMS})",
@@ -488,6 +495,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.systems = args.systems.split(",")
     if unknown := set(args.systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; choose among {SYSTEMS}")
+    if args.prefix_len and args.client_dataset != "random":
+        p.error("--prefix-len: random prompts only (--client-dataset random)")
     return args
 
 
@@ -517,7 +526,8 @@ def main_vllm_client(args: argparse.Namespace) -> int:
     if args.client_dataset == "sharegpt":
         requests = "requests of the sharegpt preset's lengths (a ShareGPT-format file)"
     else:
-        requests = f"random requests ({args.input_len} tokens in, {args.output_len} out)"
+        shared = f"the same {args.prefix_len} then " if args.prefix_len else ""
+        requests = f"random requests ({shared}{args.input_len} tokens in, {args.output_len} out)"
     print(
         f"vLLM's benchmark client: {args.num_requests} {requests} per rate, EOS ignored, "
         f"streaming, model {args.model}, fp32"

@@ -57,10 +57,13 @@ def client_args(
     ]
 
 
-def random_dataset(input_len: int, output_len: int) -> list[str]:
-    """vLLM's random prompts: ``input_len`` tokens in, ``output_len`` out."""
+def random_dataset(input_len: int, output_len: int, prefix_len: int = 0) -> list[str]:
+    """vLLM's random prompts: ``input_len`` tokens in, ``output_len`` out; with
+    ``prefix_len``, each prompt begins with the same that many tokens (a chat load's system
+    prompt) before its ``input_len`` own."""
     return ["--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(output_len)]  # fmt: skip
+            "--random-output-len", str(output_len),
+            "--random-prefix-len", str(prefix_len)]  # fmt: skip
 
 
 def text_of(tokenizer: Any, token_ids: list[int]) -> str:

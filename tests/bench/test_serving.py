@@ -85,6 +85,9 @@ def test_vllm_client_result_summary() -> None:
     assert flags[flags.index("--seed") + 1] == "3"
     assert "--ignore-eos" in flags and flags[flags.index("--random-input-len") + 1] == "256"
     assert flags[flags.index("--num-warmups") + 1] == str(vllm_client.WARMUPS)
+    assert flags[flags.index("--random-prefix-len") + 1] == "0"
+    shared = vllm_client.random_dataset(64, 128, prefix_len=192)
+    assert shared[shared.index("--random-prefix-len") + 1] == "192"
 
 
 def test_a_client_run_that_fails_or_overruns_says_why(tmp_path: Path, capsys) -> None:
@@ -162,3 +165,9 @@ def test_systems_are_chosen_by_name() -> None:
     assert serving.parse_args(["--systems", "pagedserve"]).systems == ["pagedserve"]
     with pytest.raises(SystemExit):
         serving.parse_args(["--systems", "pagedserve,tgi"])
+
+
+def test_a_shared_prefix_is_for_random_prompts_only() -> None:
+    assert serving.parse_args(["--client", "vllm", "--prefix-len", "192"]).prefix_len == 192
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--client-dataset", "sharegpt", "--prefix-len", "192"])
