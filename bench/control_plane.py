@@ -11,7 +11,9 @@ Redis journaling and its HTTP front door. A load keeps N sequences running (long
   exactly that step time would compute (busy also counts the executor's Python between
   the passes of a call, and sleeps that overran);
 * decode steps/s: tokens generated per second / N; calls/s: Execute calls per second;
-* gap: wall time outside steps per call, what the executor waits for the scheduler;
+* gap: wall time outside steps per call, split into the executor's own work between two
+  passes (judging a call, filling in its followers, recording it: own) and the rest
+  (late: the next call had not come yet, or was still being read);
 * the scheduler process's CPU time (user + system, /proc) per call and per decode step;
 * sched bound: time inside steps / the scheduler's CPU time, the busy fraction that its
   CPU per call allows even with a core to itself (its threads share one interpreter lock).
@@ -63,6 +65,7 @@ class Sample:
 
     at: float  # perf_counter seconds
     busy_s: float  # executor: time inside steps
+    own_s: float  # executor: its thread's time around steps, outside them
     calls: int  # executor: Execute calls applied
     scheduler: Counters
     scheduler_cpu_s: float
@@ -122,6 +125,7 @@ async def sample(http: httpx.AsyncClient, procs: Processes) -> Sample:
     return Sample(
         time.perf_counter(),
         stats.total_step_seconds,
+        stats.total_overhead_seconds,
         stats.num_steps,
         counters,
         cpu_seconds(procs.scheduler_pid),
@@ -142,7 +146,7 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
     first_tokens = b.scheduler.ttft_count - a.scheduler.ttft_count
     ttft_s = b.scheduler.ttft_sum_s - a.scheduler.ttft_sum_s
     cpu = b.scheduler_cpu_s - a.scheduler_cpu_s
-    busy = b.busy_s - a.busy_s
+    busy, own = b.busy_s - a.busy_s, b.own_s - a.own_s
     return {
         "window_s": round(wall, 3),
         "calls": calls,
@@ -152,6 +156,8 @@ def figures(a: Sample, b: Sample, num_seqs: int, step_ms: float) -> dict[str, An
         "decode_steps_per_s": round(decode_steps / wall, 1),
         "calls_per_s": round(calls / wall, 1),
         "gap_ms_per_call": round((wall - busy) / calls * 1e3, 3) if calls else None,
+        "executor_own_ms_per_call": round(own / calls * 1e3, 3) if calls else None,
+        "late_ms_per_call": round((wall - busy - own) / calls * 1e3, 3) if calls else None,
         "scheduler_cpu_ms_per_call": round(cpu / calls * 1e3, 3) if calls else None,
         "scheduler_cpu_ms_per_decode_step": (
             round(cpu / decode_steps * 1e3, 3) if decode_steps else None
@@ -320,7 +326,7 @@ def mode_name(num_decode_steps: int, scheduling: str) -> str:
 
 def print_results(runs: list[dict[str, Any]]) -> None:
     headers = ["step ms", "calls", "seqs", "busy", "forward", "decode steps/s", "calls/s"]
-    headers += ["gap ms/call"]
+    headers += ["gap ms/call", "own ms/call", "late ms/call"]
     headers += ["sched CPU ms/call", "sched CPU ms/decode step", "sched cores", "sched bound"]
     headers += ["executor CPU ms/call", "client cores", "arrivals/s", "TTFT mean ms"]
     rows = [
@@ -333,6 +339,8 @@ def print_results(runs: list[dict[str, Any]]) -> None:
             r["decode_steps_per_s"],
             r["calls_per_s"],
             r["gap_ms_per_call"],
+            r["executor_own_ms_per_call"],
+            r["late_ms_per_call"],
             r["scheduler_cpu_ms_per_call"],
             r["scheduler_cpu_ms_per_decode_step"],
             r["scheduler_cpu_cores"],

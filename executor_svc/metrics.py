@@ -40,6 +40,18 @@ class ExecutorMetrics:
             "calls of decode steps in a row cut short because a request arrived (EndSteps)",
             registry=r,
         )
+        self.overhead_seconds = Counter(
+            "pagedserve_executor_step_overhead_seconds",
+            "time on the executor's thread around steps but outside them (judging a call, "
+            "filling in its followers, recording it): what the next forward pass waits for",
+            registry=r,
+        )
+        self.read_seconds = Counter(
+            "pagedserve_executor_step_read_seconds",
+            "time reading the Execute calls applied (parsing, checking), while the step "
+            "before runs",
+            registry=r,
+        )
         self.replayed_steps = Counter(
             "pagedserve_executor_replayed_steps", "steps answered from the ledger", registry=r
         )
@@ -75,6 +87,11 @@ class ExecutorMetrics:
         if any(run < s.num_steps for s, run in zip(step.seqs, runs, strict=True)):
             self.steps_ended_early.inc()
         self.observe_cache_ops(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
+
+    def observe_overhead(self, overhead_s: float, read_s: float) -> None:
+        """A step's own time around it on the executor's thread, and reading its call."""
+        self.overhead_seconds.inc(overhead_s)
+        self.read_seconds.inc(read_s)
 
     def observe_cache_ops(
         self, swap_out: BlockPairs, swap_in: BlockPairs, copies: BlockPairs | None = None

@@ -131,6 +131,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
         Read before it is queued, so that a step sent while another runs (async
         scheduling) is parsed meanwhile."""
+        start = time.perf_counter()
         try:
             step = step_from_pb(request)
             validate_step(step, self._ready_info())
@@ -141,20 +142,31 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(str(e)))
             raise AssertionError("unreachable: abort raises") from None
         fingerprint = _fingerprint(request)
-        result = await self._queued(context, self._execute, step, fingerprint)
+        read_s = time.perf_counter() - start
+        result = await self._queued(context, self._execute, step, fingerprint, read_s)
         return result_to_pb(result)
 
-    def _execute(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
+    def _execute(self, step: ExecuteStep, fingerprint: bytes, read_s: float) -> StepResult:
         """Checked as read (``validate_step``), judged, and only then are its followers
         filled in and checked: a step that follows another is complete once the step
         before it ran. Nothing is mutated before the step is applied, so a refused call
-        leaves the epoch, the ledger and the pools as they were."""
+        leaves the epoch, the ledger and the pools as they were, and the stats.
+
+        The time spent here outside the step is the executor's own between two forward
+        passes; ``read_s``, the time the call took to read, is counted with it."""
+        start = time.perf_counter()
         info = self._ready_info()
         if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
             return self._replay(step, fingerprint)
         self._fill_followers(step)
         validate_followers(step, info)
-        return self._apply(step, fingerprint)
+        result = self._apply(step, fingerprint)
+        s = self.stats
+        overhead = time.perf_counter() - start - s.last_step_seconds
+        s.total_overhead_seconds += overhead
+        s.total_read_seconds += read_s
+        self.metrics.observe_overhead(overhead, read_s)
+        return result
 
     def _fill_followers(self, step: ExecuteStep) -> None:
         """Give each sequence that ``follows`` the last token the previous step drew for it,

@@ -42,3 +42,5 @@ class ExecutorStats:
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
     num_blocks_copied: int = 0
+    total_overhead_seconds: float = 0.0  # on the executor's thread, around applied steps
+    total_read_seconds: float = 0.0  # reading the calls applied, on the event loop

@@ -161,6 +161,27 @@ def test_replay_is_answered_from_the_stored_result(server: Server) -> None:
     assert client.get_stats().num_steps == before.num_steps + 1
 
 
+def test_stats_split_the_time_of_applied_calls(server: Server) -> None:
+    """Reading a call, the executor's own work around its step and the step itself follow
+    one another for a call waited for: together less than the calls' wall time, each some.
+    A replay is not counted (no step ran)."""
+    client = server.client
+    epoch = server.next_epoch()
+    before = client.get_stats()
+    start = time.perf_counter()
+    for step_id in range(30, 35):
+        client.execute(_step(step_id, epoch))
+    wall = time.perf_counter() - start
+    after = client.get_stats()
+    read = after.total_read_seconds - before.total_read_seconds
+    own = after.total_overhead_seconds - before.total_overhead_seconds
+    busy = after.total_step_seconds - before.total_step_seconds
+    assert read > 0 and own > 0 and busy > 0
+    assert read + own + busy < wall
+    client.execute(_step(34, epoch))  # a replay
+    assert client.get_stats().total_overhead_seconds == after.total_overhead_seconds
+
+
 def test_a_fence_refuses_older_epochs_and_names_the_last_step(server: Server) -> None:
     client = server.client
     old = server.next_epoch()

@@ -209,6 +209,8 @@ def test_executor_metrics_port_counts_the_same_cache_operations(load: LoadRun):
     assert get(executor, "pagedserve_executor_kv_blocks_total", device="gpu") == NUM_GPU_BLOCKS
     assert get(executor, "pagedserve_executor_kv_blocks_total", device="cpu") > 0
     assert get(executor, "pagedserve_executor_step_seconds_count") > 0
+    for part in ("overhead", "read"):
+        assert get(executor, f"pagedserve_executor_step_{part}_seconds_total") > 0
     prompt = sum(u["prompt_tokens"] for u in load.usages.values())
     assert get(executor, "pagedserve_executor_forward_tokens_total") >= prompt
     scheduler = load.after  # both processes started with this server: totals compare

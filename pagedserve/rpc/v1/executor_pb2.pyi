@@ -275,7 +275,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("instance_id", "ready", "block_size", "num_gpu_blocks", "num_cpu_blocks", "num_steps", "num_replayed_steps", "last_step_id", "epoch", "last_step_seconds", "total_step_seconds", "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied")
+    __slots__ = ("instance_id", "ready", "block_size", "num_gpu_blocks", "num_cpu_blocks", "num_steps", "num_replayed_steps", "last_step_id", "epoch", "last_step_seconds", "total_step_seconds", "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied", "total_overhead_seconds", "total_read_seconds")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,8 @@ class GetStatsResponse(_message.Message):
     NUM_BLOCKS_SWAPPED_OUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_SWAPPED_IN_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_COPIED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     ready: bool
     block_size: int
@@ -304,4 +306,6 @@ class GetStatsResponse(_message.Message):
     num_blocks_swapped_out: int
     num_blocks_swapped_in: int
     num_blocks_copied: int
-    def __init__(self, instance_id: _Optional[str] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_replayed_steps: _Optional[int] = ..., last_step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., last_step_seconds: _Optional[float] = ..., total_step_seconds: _Optional[float] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., num_blocks_copied: _Optional[int] = ...) -> None: ...
+    total_overhead_seconds: float
+    total_read_seconds: float
+    def __init__(self, instance_id: _Optional[str] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_replayed_steps: _Optional[int] = ..., last_step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., last_step_seconds: _Optional[float] = ..., total_step_seconds: _Optional[float] = ..., num_blocks_swapped_out: _Optional[int] = ..., num_blocks_swapped_in: _Optional[int] = ..., num_blocks_copied: _Optional[int] = ..., total_overhead_seconds: _Optional[float] = ..., total_read_seconds: _Optional[float] = ...) -> None: ...
