@@ -278,7 +278,8 @@ def scheduler(
     async_scheduling: bool,
 ) -> Iterator[tuple[str, int]]:
     """`pagedserve scheduler` journaling to ``store``, decode steps in a row once no request
-    arrived for --decode-steps-quiet (0: from the first step), every sequence admitted (no
+    arrived for --decode-steps-quiet (0: from the first step), as many as asked however
+    long a step takes (no --decode-steps-span), every sequence admitted (no
     pacing, no queue-wait bound: the batch sizes are the experiment's, and each level
     arrives as one burst); yields its URL and process id. The requests it leaves running
     are deleted from the store with it."""
@@ -288,7 +289,7 @@ def scheduler(
     cmd = [sys.executable, "-m", "pagedserve.cli", "scheduler", f"--executor={executor}"]
     cmd += [f"--state-store={store}", f"--namespace={namespace}", f"--port={port}"]
     cmd += [f"--max-num-seqs={max(args.seqs)}", f"--num-decode-steps={num_decode_steps}"]
-    cmd += [f"--decode-steps-quiet={args.decode_steps_quiet}"]
+    cmd += [f"--decode-steps-quiet={args.decode_steps_quiet}", "--decode-steps-span=0"]
     cmd += ["--max-token-slowdown=0", "--max-queue-wait=0"]
     cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     cmd.append(f"--commit-interval={args.commit_interval}")

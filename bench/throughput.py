@@ -91,12 +91,13 @@ def run_services(trace: Trace, args: argparse.Namespace) -> Run:
     steps, and what the services add between them (scheduler, gRPC, Redis, HTTP).
 
     Every request is sent at once, so, like the in-process engine, the server runs decode
-    steps in a row without waiting for a quiet spell after the last arrival, and admits
+    steps in a row without waiting for a quiet spell after the last arrival, as many as
+    asked however long a step takes (no stream reads their tokens as they come), and admits
     without pacing the running streams (only the batch's throughput counts)."""
     with redis_url(args.redis) as store:
         flags = engine_flags(args) | {"state_store": store, "namespace": f"bench-{uuid.uuid4()}"}
         flags |= {"executor_port": free_port(), "num_decode_steps": args.num_decode_steps}
-        flags["decode_steps_quiet"] = flags["max_token_slowdown"] = 0
+        flags["decode_steps_quiet"] = flags["decode_steps_span"] = flags["max_token_slowdown"] = 0
         with pagedserve_server(flags) as url:
             executor = ExecutorClient(f"127.0.0.1:{flags['executor_port']}")
             try:

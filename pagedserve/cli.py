@@ -48,7 +48,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per request")
     add_flags(p, ExecutorConfig, skip=("seed",))  # --seed is the requests' own here
     # nothing arrives later, and no stream is read while the batch runs
-    add_flags(p, EngineOptions, skip=("decode_steps_quiet_s", "max_token_slowdown"))
+    add_flags(
+        p, EngineOptions, skip=("decode_steps_quiet_s", "decode_steps_span_s", "max_token_slowdown")
+    )
     p.set_defaults(func=_run_generate)
 
 

@@ -77,7 +77,9 @@ class OfflineLLM:
         options = engine or EngineOptions()
         if not online:  # every request is here from the start: no arrival to wait for,
             # and only the throughput of the whole batch counts, not each stream's pace
-            options = dataclasses.replace(options, decode_steps_quiet_s=0.0, max_token_slowdown=0.0)
+            options = dataclasses.replace(
+                options, decode_steps_quiet_s=0.0, decode_steps_span_s=0.0, max_token_slowdown=0.0
+            )
         cache_config, scheduler_config = options.configs(info)
         detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.engine = LLMEngine(

@@ -63,6 +63,10 @@ class CacheConfig:
 # A server's decode_steps_quiet_s: requests arriving every second or two (light online
 # traffic) keep each call to one step.
 SERVING_DECODE_STEPS_QUIET_S = 2.0
+# A server's decode_steps_span_s: the tokens of decode steps in a row reach the streams
+# together when the call ends, so a call of them lasts at most this long at the recent pace.
+# On the CPU (25-30 ms steps at light load) that is 4 of the 8; a GPU's 5-10 ms steps keep 8.
+SERVING_DECODE_STEPS_SPAN_S = 0.1
 # Tokens of one step with chunked prefill. A larger budget prefills arriving prompts in
 # bigger batches; a smaller one bounds how long a prompt's step stalls the streams. On the
 # CPU, 1024 against vLLM's 2048 halved the streams' longest stalls and kept throughput and
@@ -95,6 +99,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode | None = None
     num_decode_steps: int = 8
     decode_steps_quiet_s: float = 0.0
+    decode_steps_span_s: float = 0.0
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
     max_token_slowdown: float = 0.0
@@ -108,6 +113,8 @@ class SchedulerConfig:
             raise ValueError(f"num_decode_steps must be >= 1, got {self.num_decode_steps}")
         if not self.decode_steps_quiet_s >= 0:  # also refuses NaN
             raise ValueError(f"decode_steps_quiet_s must be >= 0, got {self.decode_steps_quiet_s}")
+        if not self.decode_steps_span_s >= 0:
+            raise ValueError(f"decode_steps_span_s must be >= 0, got {self.decode_steps_span_s}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.commit_interval_s >= 0:  # also refuses NaN
@@ -163,6 +170,15 @@ class EngineOptions:
             "seconds without a new request before --num-decode-steps apply: while requests "
             "keep arriving each executor call is one step, so a newcomer waits one step",
             flag="decode_steps_quiet",
+        ),
+    )
+    decode_steps_span_s: float = field(
+        default=SERVING_DECODE_STEPS_SPAN_S,
+        metadata=_help(
+            "longest a call of decode steps in a row may take at the pace of the steps before "
+            "it: their tokens reach the streams together when it ends, so fewer than "
+            "--num-decode-steps run where steps are slow (a CPU's); 0: no bound",
+            flag="decode_steps_span",
         ),
     )
     async_scheduling: bool = field(
@@ -235,6 +251,7 @@ class EngineOptions:
             preemption_mode=self.preemption_mode,
             num_decode_steps=self.num_decode_steps,
             decode_steps_quiet_s=self.decode_steps_quiet_s,
+            decode_steps_span_s=self.decode_steps_span_s,
             enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
             max_token_slowdown=self.max_token_slowdown,

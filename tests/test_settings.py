@@ -37,6 +37,8 @@ INFO = ModelInfo("m", 100, 16384, 2, block_size=16, num_gpu_blocks=64, num_cpu_b
         ("num_decode_steps", 0),
         ("decode_steps_quiet_s", -1.0),
         ("decode_steps_quiet_s", math.nan),
+        ("decode_steps_span_s", -0.1),
+        ("decode_steps_span_s", math.nan),
         ("max_token_slowdown", 0.5),
         ("max_token_slowdown", -1.0),
         ("max_token_slowdown", math.nan),
@@ -124,7 +126,7 @@ def test_the_window_reaches_the_block_manager_unless_freeing_is_off() -> None:
 def test_every_option_with_a_help_is_a_flag_with_its_default(command: str, options) -> None:
     skipped = {
         # --seed is the requests' own there; the rest apply to requests arriving later
-        "generate": {"seed", "decode_steps_quiet_s", "max_token_slowdown"},
+        "generate": {"seed", "decode_steps_quiet_s", "decode_steps_span_s", "max_token_slowdown"},
         "serve": {"executors", "tokenizer", "routing"},  # one executor, started by serve
     }.get(command, set())
     sub = build_parser()._subparsers._group_actions[0].choices[command]

@@ -305,8 +305,15 @@ class Scheduler:
     # -- helpers ---------------------------------------------------------------------
 
     def _decode_steps(self) -> int:
-        """``num_decode_steps``, or 1 unless quiet (a newcomer would wait for all of them)."""
-        return self.config.num_decode_steps if self.is_quiet() else 1
+        """``num_decode_steps``, or 1 unless quiet (a newcomer would wait for all of them);
+        no more than last ``decode_steps_span_s`` at the recent pace, since their tokens
+        reach the streams together when the call ends."""
+        if not self.is_quiet():
+            return 1
+        k, span, pace = self.config.num_decode_steps, self.config.decode_steps_span_s, self.pace
+        if span and pace.recent > 0:
+            k = max(1, min(k, int(span / pace.recent)))
+        return k
 
     def is_quiet(self) -> bool:
         """Whether no group was queued for ``decode_steps_quiet_s``: one arriving now is

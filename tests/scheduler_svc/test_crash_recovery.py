@@ -236,7 +236,12 @@ def test_a_request_finished_by_the_replayed_step_is_counted_once(
         # the recomputation makes it one), nor any event the store lacks.
         (
             "after_send:5",
-            ("--no-async-scheduling", "--num-decode-steps=4", "--decode-steps-quiet=0"),
+            (
+                "--no-async-scheduling",
+                "--num-decode-steps=4",
+                "--decode-steps-quiet=0",
+                "--decode-steps-span=0",
+            ),
         ),
     ],
     ids=["async", "one-at-a-time-in-a-row"],

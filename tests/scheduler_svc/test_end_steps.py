@@ -24,7 +24,7 @@ SHORT = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir: Path):
     metrics_port = free_port()
-    flags = ["--num-decode-steps", "256", "--decode-steps-quiet", "0"]
+    flags = ["--num-decode-steps", "256", "--decode-steps-quiet", "0", "--decode-steps-span", "0"]
     with serve(tiny_chat_model_dir, *flags, "--executor-metrics-port", str(metrics_port)) as url:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         yield url, model, f"http://127.0.0.1:{metrics_port}"

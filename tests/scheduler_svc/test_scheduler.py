@@ -348,6 +348,24 @@ def test_decode_steps_run_in_a_row_only_after_a_quiet_spell_without_arrivals():
         assert tuple(len(g.seqs[0].output_token_ids) for g in (first, second)) == totals
 
 
+@pytest.mark.parametrize(
+    ("span_s", "seconds_per_token", "in_a_row"),
+    [(0.1, 0.03, 3), (0.1, 0.005, 8), (0.1, 0.2, 1), (0.0, 0.2, 8)],
+)
+def test_decode_steps_in_a_row_last_no_longer_than_their_span_at_the_recent_pace(
+    span_s: float, seconds_per_token: float, in_a_row: int
+):
+    """Their tokens reach the streams together when the call ends: where steps are slow,
+    fewer run in a row (0: no bound)."""
+    scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=8, decode_steps_span_s=span_s)
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
+    group = add(scheduler, 0, 6, 40)
+    step(scheduler, processor, executor)  # the prefill
+    scheduler.pace.observe(seconds_per_token)  # as the engine reports each step
+    step(scheduler, processor, executor)
+    assert len(group.seqs[0].output_token_ids) == 1 + in_a_row
+
+
 def test_decode_steps_run_in_a_row_only_when_the_pool_has_their_blocks():
     scheduler = make_scheduler(num_gpu_blocks=8, num_decode_steps=8)  # blocks of 4 tokens
     processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(scheduler.block_manager)
