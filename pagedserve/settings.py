@@ -65,7 +65,7 @@ class CacheConfig:
 SERVING_DECODE_STEPS_QUIET_S = 2.0
 # A server's decode_steps_span_s: the tokens of decode steps in a row reach the streams
 # together when the call ends, so a call of them lasts at most this long at the recent pace.
-# On the CPU (25-30 ms steps at light load) that is 4 of the 8; a GPU's 5-10 ms steps keep 8.
+# On the CPU (25-33 ms a token at light load) that is 3 or 4 of the 8; a GPU's 5-10 ms keep 8.
 SERVING_DECODE_STEPS_SPAN_S = 0.1
 # Tokens of one step with chunked prefill. A larger budget prefills arriving prompts in
 # bigger batches; a smaller one bounds how long a prompt's step stalls the streams. On the
