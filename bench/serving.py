@@ -29,6 +29,13 @@ bench/vllm_client.py), and the table and plot give TTFT and TPOT against the rat
 With ``--client-details DIR`` each run's whole result is kept too, as
 ``DIR/<system>-<rate>.json``: every request's input length, start, TTFT and inter-token
 gaps, to tell which requests make a tail.
+
+With ``--rounds N`` (vLLM's client) the systems take turns N times, in an order that
+reverses each round (pagedserve, vLLM, vLLM, pagedserve, ...), so that a machine drifting
+faster or slower through the run favours neither. The table gives each figure's median over
+the rounds, and pagedserve's figures over vLLM's, round by round: on a shared 2-core
+machine the same run scatters by a fifth between passes minutes apart, more than a single
+pass's ratio can be trusted to.
 """
 
 from __future__ import annotations
@@ -363,6 +370,66 @@ def run_system(
         return {"skipped": f"failed: {type(e).__name__}: {e}", "failed": True}
 
 
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The systems' order in each round: as given, then reversed, and so on."""
+    return [names if i % 2 == 0 else names[::-1] for i in range(rounds)]
+
+
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rounds as one result: each figure of a rate is its median over the
+    rounds that measured the rate, ``failed`` counts every round's and ``errors`` gathers
+    their reasons; the rounds themselves are kept under ``rounds``. A single round is
+    returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    measured = [r for r in rounds if "skipped" not in r]
+    if not measured:
+        return {**rounds[0], "rounds": rounds}
+    rates = {}
+    for rate, first in measured[0]["rates"].items():
+        results = [r["rates"][rate] for r in measured if "skipped" not in r["rates"][rate]]
+        rates[rate] = _median_figures(results) if results else first
+    return {**measured[0], "rates": rates, "rounds": rounds}
+
+
+def _median_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return round(statistics.median(known), 2) if known else None
+
+    figures: dict[str, Any] = {"rounds": len(results)}
+    for key, value in results[0].items():
+        if key == "errors":
+            continue  # below, from every round
+        if key == "failed":
+            figures[key] = sum(r[key] for r in results)
+        elif isinstance(value, dict):
+            figures[key] = {stat: median([r[key][stat] for r in results]) for stat in value}
+        else:
+            figures[key] = median([r[key] for r in results])
+    if errors := sorted({e for r in results for e in r.get("errors", [])}):
+        figures["errors"] = errors
+    return figures
+
+
+def ratio_rows(runs: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
+    """pagedserve's figures over vLLM's, each rate of each round: the targets' terms."""
+    rows = []
+    pairs = zip(runs.get("pagedserve", []), runs.get("vllm", []), strict=False)
+    for i, (ours, theirs) in enumerate(pairs, start=1):
+        if "skipped" in ours or "skipped" in theirs:
+            continue
+        for rate, a in ours["rates"].items():
+            b = theirs["rates"][rate]
+            if "skipped" in a or "skipped" in b:
+                continue
+            figures = [("output_tokens_per_s", None), ("ttft_ms", "p99")]
+            figures += [("tpot_ms", "mean"), ("tpot_ms", "p99"), ("itl_ms", "p99")]
+            values = [(a[k], b[k]) if s is None else (a[k][s], b[k][s]) for k, s in figures]
+            rows.append([f"{rate} req/s, round {i}", *(f"{x / y:.2f}x" for x, y in values)])
+    return rows
+
+
 def print_client_results(systems: dict[str, Any]) -> None:
     """The figures vLLM's client reports, one row per system and rate."""
     rows = []
@@ -377,7 +444,8 @@ def print_client_results(systems: dict[str, Any]) -> None:
             ttft, tpot = r["ttft_ms"], r["tpot_ms"]
             counts = [r["completed"], r["failed"], r["output_tokens_per_s"]]
             latency = [ttft["mean"], ttft["p99"], tpot["mean"], tpot["p99"], r["itl_ms"]["p99"]]
-            rows.append([f"{name} @{rate}", *counts, *latency, ""])
+            note = f"failed: {'; '.join(r['errors'])}" if r.get("errors") else ""
+            rows.append([f"{name} @{rate}", *counts, *latency, note])
     headers = ["system @ req/s", "done", "failed", "out tok/s", "TTFT mean ms", "TTFT p99 ms"]
     headers += ["TPOT mean ms", "TPOT p99 ms", "ITL p99 ms", "note"]
     print_table(headers, rows)
@@ -485,6 +553,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--input-len (a system prompt both servers' prefix caches can share)",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--client vllm: the systems take turns this many times, the order reversed "
+        "each round; figures are the medians, ratios given round by round",
+    )
+    p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
         help=f"some of {SYSTEMS} (--client vllm: of {CLIENT_SYSTEMS})",
@@ -497,6 +572,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown systems {sorted(unknown)}; choose among {SYSTEMS}")
     if args.prefix_len and args.client_dataset != "random":
         p.error("--prefix-len: random prompts only (--client-dataset random)")
+    if args.rounds < 1 or (args.rounds > 1 and args.client != "vllm"):
+        p.error("--rounds: at least 1, and above 1 only with --client vllm")
     return args
 
 
@@ -520,9 +597,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_vllm_client(args: argparse.Namespace) -> int:
-    systems = {
-        name: run_system(name, None, args) for name in CLIENT_SYSTEMS if name in args.systems
-    }
+    names = [name for name in CLIENT_SYSTEMS if name in args.systems]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for order in round_orders(names, args.rounds):
+        for name in order:
+            runs[name].append(run_system(name, None, args))
+    systems = {name: combine_rounds(rounds) for name, rounds in runs.items()}
     if args.client_dataset == "sharegpt":
         requests = "requests of the sharegpt preset's lengths (a ShareGPT-format file)"
     else:
@@ -532,15 +612,22 @@ def main_vllm_client(args: argparse.Namespace) -> int:
         f"vLLM's benchmark client: {args.num_requests} {requests} per rate, EOS ignored, "
         f"streaming, model {args.model}, fp32"
     )
+    if args.rounds > 1:
+        print(f"each figure the median of {args.rounds} rounds")
     print_client_results(systems)
+    if ratios := ratio_rows(runs):
+        print("pagedserve / vLLM, each round side by side:")
+        headers = ["rate, round", "out tok/s", "TTFT p99", "TPOT mean", "TPOT p99", "ITL p99"]
+        print_table(headers, ratios)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         write_json(args.json, config, {"systems": systems})
         title = f"vLLM's client, {requests.split(' (')[0]}"
         plot_client(systems, args.json.with_suffix(".png"), title)
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
-    failed = [s for s in systems.values() if s.get("failed")]
-    failed += [r for s in systems.values() for r in s.get("rates", {}).values() if r.get("failed")]
+    every = [run for rounds in runs.values() for run in rounds]
+    failed = [s for s in every if s.get("failed")]
+    failed += [r for s in every for r in s.get("rates", {}).values() if r.get("failed")]
     return 1 if failed else 0
 
 

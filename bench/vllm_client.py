@@ -31,6 +31,7 @@ main(parser.parse_args(sys.argv[1:]))
 # Requests each run sends at once before it measures (the client's --num-warmups): without
 # them the first rate of a sweep also times each server's first batch shapes.
 WARMUPS = 8
+MAX_REASON_CHARS = 300  # of each distinct reason a failed request gives
 
 
 def client_args(
@@ -105,11 +106,13 @@ def run_client(
 ) -> dict[str, Any]:
     """One run of the client; its saved result JSON, summarized. With ``details`` the whole
     result, with each request's input length, TTFT and inter-token gaps, is also written
-    there. Raises RuntimeError when it fails or is still running after ``timeout`` seconds."""
+    there. Raises RuntimeError when it fails or is still running after ``timeout`` seconds.
+
+    The client is always asked for its detailed result: only that names why a request
+    failed, and a rare failure is not rerun at will."""
     with tempfile.TemporaryDirectory(prefix="vllm-client-") as out:
         cmd = [python, "-c", CLIENT_SCRIPT, *args, "--save-result", "--result-dir", out]
-        if details is not None:
-            cmd.append("--save-detailed")
+        cmd.append("--save-detailed")
         try:
             done = subprocess.run(
                 [*cmd, "--result-filename", "result.json"],
@@ -138,7 +141,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         value = result.get(key)
         return None if value is None else round(value, 2)
 
-    return {
+    summary = {
         "completed": result["completed"],
         "failed": result.get("failed", 0),
         "elapsed_s": round(result["duration"], 3),
@@ -147,3 +150,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "tpot_ms": {"mean": ms("mean_tpot_ms"), "p99": ms("p99_tpot_ms")},
         "itl_ms": {"p50": ms("p50_itl_ms"), "p99": ms("p99_itl_ms")},
     }
+    if errors := failure_reasons(result.get("errors", [])):
+        summary["errors"] = errors
+    return summary
+
+
+def failure_reasons(errors: list[str]) -> list[str]:
+    """The distinct reasons of failed requests: an error's last line (a traceback's is the
+    exception), at most MAX_REASON_CHARS of it."""
+    reasons = {e.strip().splitlines()[-1][:MAX_REASON_CHARS] for e in errors if e and e.strip()}
+    return sorted(reasons)

@@ -88,6 +88,19 @@ def test_vllm_client_result_summary() -> None:
     assert flags[flags.index("--random-prefix-len") + 1] == "0"
     shared = vllm_client.random_dataset(64, 128, prefix_len=192)
     assert shared[shared.index("--random-prefix-len") + 1] == "192"
+    assert "errors" not in s
+
+
+def test_a_failed_request_says_why(capsys) -> None:
+    """vLLM's client keeps each failed request's error (a traceback, or the HTTP reason):
+    the summary keeps each distinct one's last line, and the table shows them."""
+    traceback = "Traceback (most recent call last):\n  File ...\naiohttp.ServerDisconnectedError: x"
+    result = {"duration": 60.0, "completed": 78, "failed": 2, "output_throughput": 100.0}
+    result |= {"errors": ["", traceback, traceback, "Too Many Requests"]}
+    s = vllm_client.summarize(result)
+    assert s["errors"] == ["Too Many Requests", "aiohttp.ServerDisconnectedError: x"]
+    serving.print_client_results({"pagedserve": {"rates": {"1": s}}})
+    assert "failed: Too Many Requests; aiohttp.ServerDisconnectedError" in capsys.readouterr().out
 
 
 def test_a_client_run_that_fails_or_overruns_says_why(tmp_path: Path, capsys) -> None:
@@ -171,3 +184,65 @@ def test_a_shared_prefix_is_for_random_prompts_only() -> None:
     assert serving.parse_args(["--client", "vllm", "--prefix-len", "192"]).prefix_len == 192
     with pytest.raises(SystemExit):
         serving.parse_args(["--client-dataset", "sharegpt", "--prefix-len", "192"])
+
+
+def _figures(tok_s: float, ttft_p99: float, tpot: float, failed: int = 0) -> dict:
+    return {
+        "completed": 80 - failed,
+        "failed": failed,
+        "elapsed_s": 60.0,
+        "output_tokens_per_s": tok_s,
+        "ttft_ms": {"mean": ttft_p99 / 2, "p99": ttft_p99},
+        "tpot_ms": {"mean": tpot, "p99": tpot * 1.5},
+        "itl_ms": {"p50": tpot, "p99": tpot * 4, "extra": None},
+    }
+
+
+def test_rounds_take_turns_and_combine_into_medians() -> None:
+    """--rounds: the order reverses each round; each figure is the median of the rounds
+    that measured its rate, failures are all counted, and every round is kept."""
+    assert serving.round_orders(["pagedserve", "vllm"], 3) == [
+        ["pagedserve", "vllm"],
+        ["vllm", "pagedserve"],
+        ["pagedserve", "vllm"],
+    ]
+    failed_rate = {"skipped": "failed: still running", "failed": True}
+    rounds = [
+        {"rates": {"1": _figures(100.0, 1000.0, 40.0), "3": _figures(200.0, 4000.0, 250.0)}},
+        {
+            "rates": {
+                "1": _figures(120.0, 1400.0, 50.0, failed=1) | {"errors": ["Disconnected"]},
+                "3": failed_rate,
+            }
+        },
+        {"rates": {"1": _figures(110.0, 1100.0, 60.0), "3": _figures(210.0, 5000.0, 270.0)}},
+    ]
+    combined = serving.combine_rounds(rounds)
+    one, three = combined["rates"]["1"], combined["rates"]["3"]
+    assert (one["output_tokens_per_s"], one["ttft_ms"]["p99"], one["tpot_ms"]["mean"]) == (
+        110.0,
+        1100.0,
+        50.0,
+    )
+    assert (one["failed"], one["rounds"], one["itl_ms"]["extra"]) == (1, 3, None)
+    assert one["errors"] == ["Disconnected"] and "errors" not in three
+    assert (three["output_tokens_per_s"], three["tpot_ms"]["p99"], three["rounds"]) == (
+        205.0,
+        390.0,
+        2,
+    )
+    assert combined["rounds"] == rounds
+    assert serving.combine_rounds(rounds[:1]) is rounds[0]
+    skipped = [{"skipped": "no venv"}, {"skipped": "no venv"}]
+    assert serving.combine_rounds(skipped)["skipped"] == "no venv"
+
+
+def test_ratios_pair_each_round_side_by_side() -> None:
+    ours = [{"rates": {"3": _figures(220.0, 4000.0, 240.0)}}, {"skipped": "failed: boom"}]
+    theirs = [{"rates": {"3": _figures(200.0, 5000.0, 300.0)}}, {"rates": {"3": _figures(1, 1, 1)}}]
+    rows = serving.ratio_rows({"pagedserve": ours, "vllm": theirs})
+    assert rows == [["3 req/s, round 1", "1.10x", "0.80x", "0.80x", "0.80x", "0.80x"]]
+    assert serving.ratio_rows({"pagedserve": ours}) == []
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--rounds", "2"])  # our client: one pass of each system
+    assert serving.parse_args(["--client", "vllm", "--rounds", "2"]).rounds == 2
