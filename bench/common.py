@@ -116,6 +116,13 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """The systems' order in each of ``rounds``: as given, then reversed, and so on (A B C,
+    C B A): this machine's speed drifts over minutes, and a drift linear in time then weighs
+    on each system alike."""
+    return [list(names) if i % 2 == 0 else list(names)[::-1] for i in range(rounds)]
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:
     """A plain aligned table: the first column and a last "note" column left, others right."""
     cells = [[fmt(c) for c in row] for row in rows]

@@ -74,6 +74,7 @@ from bench.common import (
     print_table,
     progress,
     pyplot,
+    round_orders,
     write_json,
 )
 from bench.launch import NO_VLLM, pagedserve_server, vllm_server
@@ -370,16 +371,11 @@ def run_system(
         return {"skipped": f"failed: {type(e).__name__}: {e}", "failed": True}
 
 
-def round_orders(names: list[str], rounds: int) -> list[list[str]]:
-    """The systems' order in each round: as given, then reversed, and so on."""
-    return [names if i % 2 == 0 else names[::-1] for i in range(rounds)]
-
-
 def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's rounds as one result: each figure of a rate is its median over the
-    rounds that measured the rate, ``failed`` counts every round's and ``errors`` gathers
-    their reasons; the rounds themselves are kept under ``rounds``. A single round is
-    returned as it is."""
+    rounds that measured the rate, the requests completed and failed are the rounds' total
+    and ``errors`` gathers their reasons; the rounds themselves are kept under ``rounds``.
+    A single round is returned as it is."""
     if len(rounds) == 1:
         return rounds[0]
     measured = [r for r in rounds if "skipped" not in r]
@@ -401,7 +397,7 @@ def _median_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in results[0].items():
         if key == "errors":
             continue  # below, from every round
-        if key == "failed":
+        if key in ("completed", "failed"):
             figures[key] = sum(r[key] for r in results)
         elif isinstance(value, dict):
             figures[key] = {stat: median([r[key][stat] for r in results]) for stat in value}
@@ -601,7 +597,9 @@ def main_vllm_client(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for order in round_orders(names, args.rounds):
         for name in order:
-            runs[name].append(run_system(name, None, args))
+            done = runs[name]
+            if not done or "skipped" not in done[-1]:  # a skip or failure is final
+                done.append(run_system(name, None, args))
     systems = {name: combine_rounds(rounds) for name, rounds in runs.items()}
     if args.client_dataset == "sharegpt":
         requests = "requests of the sharegpt preset's lengths (a ShareGPT-format file)"
@@ -613,7 +611,7 @@ def main_vllm_client(args: argparse.Namespace) -> int:
         f"streaming, model {args.model}, fp32"
     )
     if args.rounds > 1:
-        print(f"each figure the median of {args.rounds} rounds")
+        print(f"figures: medians of {args.rounds} rounds; requests done and failed: their total")
     print_client_results(systems)
     if ratios := ratio_rows(runs):
         print("pagedserve / vLLM, each round side by side:")

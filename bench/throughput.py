@@ -56,6 +56,7 @@ from bench.common import (
     load_trace,
     print_table,
     progress,
+    round_orders,
     time_offline,
     write_json,
 )
@@ -211,12 +212,11 @@ def run_system(name: str, selected: list[str], trace: Trace, args: argparse.Name
 
 
 def run_rounds(selected: list[str], trace: Trace, args: argparse.Namespace) -> dict[str, dict]:
-    """The ROUNDED systems --rounds times, every other round in reverse (A B C, C B A): this
-    machine's speed drifts over minutes, and a drift linear in time then weighs on each
-    system alike. Each reports its mean wall time, the rounds' own in ``wall_s_rounds``."""
+    """The ROUNDED systems --rounds times, in turns (round_orders). Each reports its mean
+    wall time, the rounds' own in ``wall_s_rounds``."""
     rounds: dict[str, list[dict]] = {name: [] for name in ROUNDED}
-    for index in range(args.rounds):
-        for name in ROUNDED if index % 2 == 0 else reversed(ROUNDED):
+    for order in round_orders(ROUNDED, args.rounds):
+        for name in order:
             done = rounds[name]
             if not done or "skipped" not in done[-1]:  # a skip or failure is final
                 done.append(run_system(name, selected, trace, args))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import serving, vllm_client
-from bench.common import load_trace, percentile, poisson_arrivals
+from bench.common import load_trace, percentile, poisson_arrivals, round_orders
 from bench.serving import RequestRecord, parse_args, rate_traces, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,7 +201,7 @@ def _figures(tok_s: float, ttft_p99: float, tpot: float, failed: int = 0) -> dic
 def test_rounds_take_turns_and_combine_into_medians() -> None:
     """--rounds: the order reverses each round; each figure is the median of the rounds
     that measured its rate, failures are all counted, and every round is kept."""
-    assert serving.round_orders(["pagedserve", "vllm"], 3) == [
+    assert round_orders(["pagedserve", "vllm"], 3) == [
         ["pagedserve", "vllm"],
         ["vllm", "pagedserve"],
         ["pagedserve", "vllm"],
@@ -226,6 +226,7 @@ def test_rounds_take_turns_and_combine_into_medians() -> None:
     )
     assert (one["failed"], one["rounds"], one["itl_ms"]["extra"]) == (1, 3, None)
     assert one["errors"] == ["Disconnected"] and "errors" not in three
+    assert (one["completed"], three["completed"], three["failed"]) == (239, 160, 0)
     assert (three["output_tokens_per_s"], three["tpot_ms"]["p99"], three["rounds"]) == (
         205.0,
         390.0,
