@@ -34,8 +34,8 @@ With ``--rounds N`` (vLLM's client) the systems take turns N times, in an order 
 reverses each round (pagedserve, vLLM, vLLM, pagedserve, ...), so that a machine drifting
 faster or slower through the run favours neither. The table gives each figure's median over
 the rounds, and pagedserve's figures over vLLM's, round by round: on a shared 2-core
-machine the same run scatters by a fifth between passes minutes apart, more than a single
-pass's ratio can be trusted to.
+machine the same load's TPOT p99 scattered by a quarter between passes minutes apart, more
+than the margin a single pass's ratio would decide.
 """
 
 from __future__ import annotations
@@ -422,7 +422,8 @@ def ratio_rows(runs: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
             figures = [("output_tokens_per_s", None), ("ttft_ms", "p99")]
             figures += [("tpot_ms", "mean"), ("tpot_ms", "p99"), ("itl_ms", "p99")]
             values = [(a[k], b[k]) if s is None else (a[k][s], b[k][s]) for k, s in figures]
-            rows.append([f"{rate} req/s, round {i}", *(f"{x / y:.2f}x" for x, y in values)])
+            ratios = [f"{x / y:.2f}x" if x is not None and y else "-" for x, y in values]
+            rows.append([f"{rate} req/s, round {i}", *ratios])
     return rows
 
 

@@ -244,6 +244,10 @@ def test_ratios_pair_each_round_side_by_side() -> None:
     rows = serving.ratio_rows({"pagedserve": ours, "vllm": theirs})
     assert rows == [["3 req/s, round 1", "1.10x", "0.80x", "0.80x", "0.80x", "0.80x"]]
     assert serving.ratio_rows({"pagedserve": ours}) == []
+    no_itl = _figures(200.0, 5000.0, 300.0)
+    no_itl["itl_ms"]["p99"] = None  # the client reports none for one-token answers
+    rows = serving.ratio_rows({"pagedserve": ours[:1], "vllm": [{"rates": {"3": no_itl}}]})
+    assert rows[0][-1] == "-"
     with pytest.raises(SystemExit):
         serving.parse_args(["--rounds", "2"])  # our client: one pass of each system
     assert serving.parse_args(["--client", "vllm", "--rounds", "2"]).rounds == 2
