@@ -195,15 +195,20 @@ class _Applied:
     result: StepResult
 
 
+# Applied steps a ledger keeps: the calls a scheduler may have on the wire at once.
+KEPT_STEPS = 3
+
+
 class StepLedger:
-    """The newest epoch seen and the last two applied steps with their results (a
-    scheduler that sends a step before the one before it has answered may resend both).
+    """The newest epoch seen and the last three applied steps with their results (a
+    scheduler that sends steps before the one before them has answered may resend all
+    three: docs/architecture.md, "Async scheduling").
 
     A step ``(epoch e, step_id s)`` is judged against the newest epoch seen ``E`` and the
     last applied step ``(e0, s0)``, in this order:
 
     1. ``e < E``: refused -- a fenced scheduler from an older epoch.
-    2. ``s`` is one of the two kept steps' ids, with the same content: a replay; the
+    2. ``s`` is one of the kept steps' ids, with the same content: a replay; the
        stored result is answered and nothing is applied. This holds in a newer epoch too,
        so a restarted scheduler that replays its pending step gets the result its
        predecessor lost, and the step then counts as that epoch's last applied one.
@@ -218,7 +223,7 @@ class StepLedger:
 
     def __init__(self) -> None:
         self.epoch = 0
-        self._kept: list[_Applied] = []  # oldest first, at most two
+        self._kept: list[_Applied] = []  # oldest first, at most KEPT_STEPS
 
     def judge(self, step_id: int, epoch: int, fingerprint: bytes) -> StepResult | None:
         """Return the stored result of a replay, or None for a step to apply; mutates nothing.
@@ -257,12 +262,12 @@ class StepLedger:
         kept = next(k for k in self._kept if (k.step_id, k.fingerprint) == (step_id, fingerprint))
         if epoch > kept.epoch:
             kept.epoch = epoch
-            self._kept = [kept]  # the other one belongs to the old epoch's order
+            self._kept = [kept]  # the others belong to the old epoch's order
         self.epoch = max(self.epoch, epoch)
         return kept.result
 
     def record(self, step_id: int, epoch: int, fingerprint: bytes, result: StepResult) -> None:
-        """Remember an applied step and its result (the last two are kept), and its epoch
-        as the newest seen."""
-        self._kept = [*self._kept[-1:], _Applied(step_id, epoch, fingerprint, result)]
+        """Remember an applied step and its result (the last ``KEPT_STEPS`` are kept), and
+        its epoch as the newest seen."""
+        self._kept = [*self._kept[1 - KEPT_STEPS :], _Applied(step_id, epoch, fingerprint, result)]
         self.epoch = max(self.epoch, epoch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
@@ -138,11 +138,16 @@ class Scheduler:
         assert self._num_running_seqs() <= self.config.max_num_seqs, "seq budget exceeded"
         return out
 
-    def schedule_ahead(self, in_flight: dict[int, int]) -> SchedulerOutput | None:
+    def schedule_ahead(
+        self, in_flight: dict[int, int], following: Container[int] | None = None
+    ) -> SchedulerOutput | None:
         """Decide the call after the one in flight before its tokens come back: every
         running sequence goes on from the token that call draws for it (the executor feeds
         it in), waiting groups are admitted behind them. ``in_flight`` maps each sequence
-        the call draws one sample for to the tokens it draws (its decode steps in a row).
+        the calls in flight draw one sample for to the tokens they draw (their decode
+        steps in a row); the sequences of the newest, which the next call follows, are
+        ``following`` (None: all of them); any other must end by length within the calls
+        in flight.
 
         None, changing nothing, when no sequence goes on (waiting groups are then admitted
         by ``schedule``) or the next call depends on that call's outcome: a group it does
@@ -168,7 +173,9 @@ class Scheduler:
             if drawing is None or group.needs_prompt_logprobs:
                 return None
             num_steps = min(k, params.max_tokens - len(seq.output_token_ids) - drawing)
-            if num_steps > 0:  # else it ends by length with the call in flight
+            if num_steps > 0:  # else it ends by length with the calls in flight
+                if following is not None and seq.seq_id not in following:
+                    return None
                 going.append((group, seq, seq.get_len() + drawing + num_steps - 1))
         if not going or not self.block_manager.map_ahead([(seq, end) for _, seq, end in going]):
             return None

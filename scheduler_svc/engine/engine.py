@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,6 +29,12 @@ from scheduler_svc.state.streams import RequestDelta, StreamTracker
 
 log = structlog.get_logger(__name__)
 CALL_TIMES_WEIGHT = 0.1  # of the newest call in the running means of its times (about ten calls)
+# A third call goes on the wire (two ahead of the one whose answer is read) while the
+# engine's own time per call is at least this share of its wait for an answer: with an
+# accelerator's few-millisecond steps the path from one answer to the call after next on
+# the wire is about a step long, and one more step then hides it (docs/architecture.md,
+# "Async scheduling"). A CPU's long steps keep two, so a newcomer waits no longer.
+DEEP_AHEAD_SHARE = 0.5
 
 
 class IdCounter:
@@ -149,10 +156,10 @@ class LLMEngine:
         self.async_scheduling = scheduler_config.async_scheduling and isinstance(
             executor, PipelinedExecutor
         )
-        self._ahead: _Call | None = None
-        # The call after ``_ahead``, sent once the call before ``_ahead`` was applied,
-        # unless a request arrived during the step (set from other threads).
-        self._sent_early: _Call | None = None
+        # Calls sent ahead of the one whose answer ``step`` reads, oldest first: the next
+        # one, and the one after it, sent once the call before was applied unless a
+        # request arrived during the step (``_arrived``, set from other threads).
+        self._ahead: deque[_Call] = deque()
         self._arrived = False
         # Running means of the engine's own time per call and of its wait for an answer
         # (see _ahead_pays), and when the last answer came while work went on.
@@ -244,7 +251,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Groups to run, or a call sent ahead whose answer is still to be read."""
-        return self.scheduler.has_unfinished() or self._ahead is not None
+        return self.scheduler.has_unfinished() or bool(self._ahead)
 
     def evacuate(self) -> tuple[list[RequestDelta], list[tuple[SequenceGroup, int]]]:
         """Take every unfinished group off this executor, reset to be recomputed elsewhere.
@@ -254,7 +261,8 @@ class LLMEngine:
         The groups stay in this engine's journal until the caller drops its lane, so a
         crash while they move loses none of them.
         """
-        self._ahead = self._sent_early = self._applied_at = None  # redone where they go
+        self._ahead.clear()  # redone where they go
+        self._applied_at = None
         told = self.catch_up()
         self.scheduler.recompute_all()
         moved, self.scheduler.waiting = self.scheduler.waiting, []
@@ -287,7 +295,7 @@ class LLMEngine:
             journal.crash_if_asked("before_persist")
         start = time.perf_counter()
         self._arrived = False  # the lane added what came before the step
-        call, self._ahead, self._sent_early = self._ahead, self._sent_early, None
+        call = self._ahead.popleft() if self._ahead else None
         if call is None:
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -295,18 +303,23 @@ class LLMEngine:
                 return self._apply(out, None, None)
             call = self._send(out)
         try:
-            if self._ahead is None and self.async_scheduling and self._ahead_pays():
-                self._ahead = self._send_ahead(call)
+            if self.async_scheduling and self._ahead_pays():
+                while len(self._ahead) < self._max_on_wire() - 1:
+                    ahead = self._send_ahead([call, *self._ahead])
+                    if ahead is None:
+                        break
+                    self._ahead.append(ahead)
             self._steps_in_a_row = self._newest_in_a_row(call)
             result = self._timed_wait(call)
         except ExecutorRestarted as e:
-            self._ahead = self._applied_at = None
+            self._ahead.clear()
+            self._applied_at = None
             return self._recompute_all(e.instance_id)
         except BaseException:
-            self._ahead = None  # its answer, if any, belongs to a call that failed
+            self._ahead.clear()  # their answers, if any, follow a call that failed
             raise
         finally:
-            self._steps_in_a_row = None if self._ahead is None else self._newest_in_a_row()
+            self._steps_in_a_row = self._newest_in_a_row()
         self.stats.execute_seconds += time.perf_counter() - start
         if journal is not None:
             journal.crash_if_asked("after_execute")
@@ -315,7 +328,7 @@ class LLMEngine:
         if not self.has_unfinished():
             self._answered_at = None
         self._send_early()
-        if self._ahead is None or journal is None:
+        if not self._ahead or journal is None:
             self._apply_text(outcome)
             return outcome
         due, told = self._commit_due(outcome)
@@ -337,12 +350,13 @@ class LLMEngine:
         although the engine's loop, the commit below and the lane's next turn come in
         between. Not when a request arrived during the step: sent at the start of the
         next step, that call admits it, one call sooner."""
-        if self._ahead is None or not self.async_scheduling or self._arrived:
+        if not self._ahead or not self.async_scheduling or self._arrived:
             return
-        if not self._ahead_pays():
+        if len(self._ahead) >= self._max_on_wire() or not self._ahead_pays():
             return
         try:
-            self._sent_early = self._send_ahead(self._ahead)
+            if (early := self._send_ahead(list(self._ahead))) is not None:
+                self._ahead.append(early)
         except ExecutorGone:
             return  # the next step meets it, and the lane retires with this outcome out
         finally:
@@ -358,6 +372,13 @@ class LLMEngine:
         if not share or self.scheduler.is_quiet():
             return True
         return self._own_s >= share * self._wait_s
+
+    def _max_on_wire(self) -> int:
+        """The most calls on the wire once an answer is applied: two, or three while the
+        engine's own time per call is at least ``DEEP_AHEAD_SHARE`` of its wait for an
+        answer (before both are measured, two)."""
+        deep = self._own_s > 0 and self._own_s >= DEEP_AHEAD_SHARE * self._wait_s
+        return 3 if deep else 2
 
     def _timed_wait(self, call: _Call) -> StepResult:
         """``_wait``, timing it and the engine's own time since the answer before."""
@@ -430,15 +451,25 @@ class LLMEngine:
             wait = lambda: result  # noqa: E731
         return _Call(out, step, wait)
 
-    def _send_ahead(self, call: _Call) -> _Call | None:
-        """Decide and send the call after ``call`` while it runs; None when the next call
-        depends on its outcome (Scheduler.schedule_ahead). Sequences ``call`` draws for go
-        on from its last token, which the executor feeds in."""
+    def _send_ahead(self, unapplied: list[_Call]) -> _Call | None:
+        """Decide and send the call after the last of ``unapplied`` (the calls whose
+        answers are not applied yet, oldest first) while they run; None when the next call
+        depends on their outcome (Scheduler.schedule_ahead). Sequences the last one draws
+        for go on from its last token, which the executor feeds in."""
+        *before, call = unapplied
         drawn = {s.seq_id: s for s in call.step.seqs if s.num_samples == 1}
-        out = self.scheduler.schedule_ahead({i: s.num_steps for i, s in drawn.items()})
+        drawing = {i: s.num_steps for i, s in drawn.items()}
+        earlier: dict[int, int] = {}  # tokens the calls before ``call`` draw
+        for older in before:
+            for s in older.step.seqs:
+                if s.num_samples == 1:
+                    earlier[s.seq_id] = earlier.get(s.seq_id, 0) + s.num_steps
+        for seq_id, num in earlier.items():
+            drawing[seq_id] = drawing.get(seq_id, 0) + num
+        out = self.scheduler.schedule_ahead(drawing, drawn.keys())
         if out is None:
             return None
-        step = self._build_step(out, call.step.step_id, drawn)
+        step = self._build_step(out, call.step.step_id, drawn, earlier)
         if self.journal is not None:
             for scheduled in out.scheduled:
                 self.journal.touch(scheduled.group)
@@ -462,7 +493,7 @@ class LLMEngine:
 
     def _newest_in_a_row(self, call: _Call | None = None) -> int | None:
         """The id of the newest call in flight that decodes several steps in a row."""
-        for pending in (self._sent_early, self._ahead, call):
+        for pending in (*reversed(self._ahead), call):
             if pending is not None and pending.in_a_row:
                 return pending.step.step_id
         return None
@@ -524,7 +555,7 @@ class LLMEngine:
                 outcome.finished += self._detokenize(stops)
             # Slots mapped ahead that no call in flight will use (ended early, or the call
             # sent ahead left the sequence out) go back.
-            ahead = set() if self._ahead is None else {s.seq_id for s in self._ahead.step.seqs}
+            ahead = {s.seq_id for pending in self._ahead for s in pending.step.seqs}
             for group in outcome.groups:
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
                     if seq.seq_id not in ahead:
@@ -596,7 +627,7 @@ class LLMEngine:
         for the caller to publish (none after a recovery)."""
         told = self.catch_up()
         if self.journal is not None and self.journal.has_deferred:
-            newest = self._step_ids.value if self._ahead is None else self._ahead.step.step_id
+            newest = self._ahead[0].step.step_id if self._ahead else self._step_ids.value
             self.journal.commit(self.scheduler, self._meta(newest - 1))
         return told
 
@@ -762,6 +793,7 @@ class LLMEngine:
         out: SchedulerOutput,
         follows_step_id: int | None = None,
         drawn: dict[int, SeqStep] | None = None,
+        earlier: dict[int, int] | None = None,
     ) -> ExecuteStep:
         """The step ``out`` decides. Sent ahead of the call ``follows_step_id`` (``drawn``:
         its steps of the sequences it draws one sample for), a decode of a sequence it
@@ -775,7 +807,9 @@ class LLMEngine:
                 if seq.status != SequenceStatus.RUNNING:
                     continue
                 if drawn is not None and not scheduled.is_prefill:
-                    follower = self._follower(group, index, seq, drawn[seq.seq_id], admits)
+                    follower = self._follower(
+                        group, index, seq, drawn[seq.seq_id], earlier.get(seq.seq_id, 0), admits
+                    )
                     followers.append(follower)
                 else:
                     seqs.append(self._seq_step(group, index, seq))
@@ -790,7 +824,13 @@ class LLMEngine:
         )
 
     def _follower(
-        self, group: SequenceGroup, index: int, seq: Sequence, before: SeqStep, admits: bool
+        self,
+        group: SequenceGroup,
+        index: int,
+        seq: Sequence,
+        before: SeqStep,
+        earlier: int,
+        admits: bool,
     ) -> SeqStep:
         """A sequence going on from the call in flight (``before``: its step there, which
         draws ``before.num_steps`` tokens): its table maps the slots of both calls
@@ -802,7 +842,7 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         table = list(bm.get_block_table(seq))
         kept = len(before.block_table)
-        num_steps = bm.num_slots(seq) - (seq.get_len() + before.num_steps) + 1
+        num_steps = bm.num_slots(seq) - (seq.get_len() + earlier + before.num_steps) + 1
         return SeqStep(
             seq_id=seq.seq_id,
             new_token_ids=[],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import signal
 import time
@@ -25,6 +26,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.settings import CacheConfig, ExecutorConfig, SchedulerConfig
 from pagedserve.step import ExecuteStep, SeqStep, StepResult
 from scheduler_svc.core.sequence import Sequence, SequenceGroup
+from scheduler_svc.engine import engine as engine_module
 from scheduler_svc.engine.detokenizer import Detokenizer
 from scheduler_svc.engine.engine import LLMEngine, StepExecutor, StepOutcome
 from scheduler_svc.engine.executor_client import ExecutorClient, StepRefused
@@ -535,19 +537,21 @@ def test_a_step_that_cannot_follow_is_refused(
     assert client.get_stats() == before
 
 
-def test_the_step_before_the_last_is_answered_again(server: Server) -> None:
-    """A scheduler that sent a step ahead may resend both after the connection drops:
-    the executor keeps the last two results."""
+def test_the_steps_before_the_last_are_answered_again(server: Server) -> None:
+    """A scheduler with three calls on the wire (two sent ahead) may resend all three
+    after the connection drops: the executor keeps the last three results, and refuses
+    a step older than those."""
     client = server.client
     epoch = server.next_epoch()
-    older = client.execute(_step(7, epoch))
-    newer = client.execute(_step(8, epoch))
+    client.execute(_step(6, epoch))
+    answers = [client.execute(_step(step_id, epoch)) for step_id in (7, 8, 9)]
     before = client.get_stats()
-    assert client.execute(_step(7, epoch)) == older
-    assert client.execute(_step(8, epoch)) == newer
+    assert [client.execute(_step(step_id, epoch)) for step_id in (7, 8, 9)] == answers
     after = client.get_stats()
     assert after.num_steps == before.num_steps
-    assert after.num_replayed_steps == before.num_replayed_steps + 2
+    assert after.num_replayed_steps == before.num_replayed_steps + 3
+    with pytest.raises(StepRefused, match="out of order"):
+        client.execute(_step(6, epoch))
 
 
 def _arrivals(
@@ -603,19 +607,31 @@ def _arrivals(
     return [(s.output_token_ids, s.cumulative_logprob) for g in groups for s in g.seqs], engine
 
 
+@pytest.mark.parametrize("deep_share", [math.inf, 0.0], ids=["two-on-the-wire", "three"])
 @pytest.mark.parametrize("num_decode_steps", [1, 4])
 def test_async_scheduling_over_grpc_matches_in_process(
-    server: Server, tiny_model_dir: Path, num_decode_steps: int
+    server: Server,
+    tiny_model_dir: Path,
+    num_decode_steps: int,
+    deep_share: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Calls sent ahead (each decode following the call before it, requests arriving
     while others decode and ending by length at different steps) draw what one call at a
-    time in process draws: greedy and seeded tokens, and their logprobs."""
+    time in process draws: greedy and seeded tokens, and their logprobs. So do three
+    calls on the wire (the second sent ahead follows the first before either answered),
+    what an accelerator's fast steps get."""
     from executor_svc.executor import Executor
 
+    monkeypatch.setattr(engine_module, "DEEP_AHEAD_SHARE", deep_share)
     info = server.client.init_cache()
     recorded = _Recorded(server.client)
-    remote, engine = _arrivals(recorded, info, server.next_epoch(), num_decode_steps)
+    outcomes = _InFlight(recorded)
+    remote, engine = _arrivals(
+        recorded, info, server.next_epoch(), num_decode_steps, outcomes=outcomes
+    )
     assert engine.async_scheduling and engine.stats.num_steps_ahead > 0
+    assert max(outcomes.in_flight) == (2 if deep_share else 3)
     followers = [s for step in recorded.steps for s in step.seqs if s.follows]
     # The wire left out the entries of the tables followed, and carried the blocks added.
     assert followers and all(s.table_start > 0 for s in followers)
@@ -636,10 +652,14 @@ def test_async_scheduling_over_grpc_matches_in_process(
     assert not engine.scheduler.block_manager.block_tables
 
 
-def test_a_step_sends_the_call_after_the_one_in_flight_before_it_returns(server: Server) -> None:
+def test_a_step_sends_the_call_after_the_one_in_flight_before_it_returns(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Once N is applied, the step sends N+2 (following N+1, which runs) before the text,
     the events and the commit: the engine's loop between two steps is off the path from
-    N's answer to N+2 on the wire, and a step returns with two calls in flight."""
+    N's answer to N+2 on the wire, and a step returns with two calls in flight (a CPU's
+    steps: the engine's own time is a small share of its wait)."""
+    monkeypatch.setattr(engine_module, "DEEP_AHEAD_SHARE", math.inf)
     info = server.client.init_cache()
     recorded = _Recorded(server.client)
     outcomes = _InFlight(recorded)
@@ -649,20 +669,24 @@ def test_a_step_sends_the_call_after_the_one_in_flight_before_it_returns(server:
     assert outcomes.in_flight.count(2) > len(outcomes) // 2
 
 
+@pytest.mark.parametrize("deep_share", [math.inf, 0.0], ids=["two-on-the-wire", "three"])
 def test_a_request_arriving_during_a_step_joins_the_call_the_next_step_sends(
-    server: Server,
+    server: Server, deep_share: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request routed to the lane while a step waits (the lane calls ``end_steps``)
-    keeps that step from sending the call after next early: the next step sends it once
-    the lane has added the newcomer, which then waits one call less."""
+    keeps that step from sending a call early: the next step sends it once the lane has
+    added the newcomer, which then waits one call less. With three calls on the wire,
+    the two sent before the wait stay."""
+    monkeypatch.setattr(engine_module, "DEEP_AHEAD_SHARE", deep_share)
+    ahead = 1 if deep_share else 2  # calls on the wire after a step with an arrival
     info = server.client.init_cache()
     recorded = _ArrivingWhileWaiting(server.client, every=3)
     outcomes = _InFlight(recorded)
     recorded.outcomes = outcomes
     _arrivals(recorded, info, server.next_epoch(), 1, outcomes=outcomes, on_engine=recorded.watch)
     arrived = set(recorded.arrived_in)
-    assert arrived and all(outcomes.in_flight[i] <= 1 for i in arrived)
-    assert 2 in [n for i, n in enumerate(outcomes.in_flight) if i not in arrived]
+    assert arrived and all(outcomes.in_flight[i] <= ahead for i in arrived)
+    assert ahead + 1 in [n for i, n in enumerate(outcomes.in_flight) if i not in arrived]
 
 
 class _InFlight(list):

@@ -418,6 +418,32 @@ def test_the_call_ahead_maps_each_sequence_past_the_call_in_flight(newcomer: boo
     bm.check_integrity()
 
 
+def test_a_second_call_ahead_follows_the_first_and_counts_both_calls_in_flight():
+    """With two calls unapplied (three on the wire), the next maps each sequence past
+    the tokens both draw; one that ends by length within them is left out of the call
+    followed and of the next, and one the call followed left out for another reason
+    makes the next call wait."""
+    scheduler = make_scheduler(num_gpu_blocks=64, num_decode_steps=1)
+    bm = scheduler.block_manager
+    processor, executor = OutputProcessor(scheduler, EOS), FakeExecutor(bm)
+    long, short = add(scheduler, 0, 6, 20), add(scheduler, 1, 6, 3)
+    step(scheduler, processor, executor)  # prefills: one token each
+    first = _in_flight(scheduler, scheduler.schedule())  # `short` draws its second token
+    second = scheduler.schedule_ahead(first)
+    assert [s.group for s in second.scheduled] == [long, short]  # and its third
+    drawing = {seq_id: 2 for seq_id in first}
+    following = {long.seqs[0].seq_id, short.seqs[0].seq_id}
+    third = scheduler.schedule_ahead(drawing, following)
+    assert [s.group for s in third.scheduled] == [long]  # `short` ends with the second
+    # Slots for its tokens and the two the calls in flight draw (the third feeds the last in).
+    assert bm.num_slots(long.seqs[0]) == long.seqs[0].get_len() + 2
+    # A sequence with tokens to go that the call followed left out: no call goes ahead.
+    tables = {k: list(v) for k, v in bm.block_tables.items()}
+    assert scheduler.schedule_ahead(drawing, {short.seqs[0].seq_id}) is None
+    assert bm.block_tables == tables
+    bm.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("params", "why"),
     [
