@@ -345,8 +345,8 @@ class LLMEngine:
         return outcome
 
     def _send_early(self) -> None:
-        """Send the call after the one in flight now that the call before it is applied,
-        rather than at the start of the next step: the executor then finds it waiting
+        """Send the call after the newest in flight now that the call before them is
+        applied, rather than at the start of the next step: the executor then finds it waiting
         although the engine's loop, the commit below and the lane's next turn come in
         between. Not when a request arrived during the step: sent at the start of the
         next step, that call admits it, one call sooner."""
