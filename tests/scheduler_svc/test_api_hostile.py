@@ -292,7 +292,10 @@ def test_a_request_id_in_flight_is_refused_while_its_request_runs_on(server):
     whatever its body; the first runs on to its end, counted once, and a retry after
     that end gets its stored answer."""
     request_id = f"in-flight-{uuid.uuid4().hex}"
-    body = {"model": server.model, "prompt": "The harbour at dawn", "max_tokens": 200}
+    # Nearly the model's whole context: the stream must outlast the client's read of its
+    # first event, which a loaded machine can delay while the tiny model's fast steps
+    # (three calls on the wire) go on.
+    body = {"model": server.model, "prompt": "The harbour at dawn", "max_tokens": 1000}
     body |= {"temperature": 0, "ignore_eos": True}
     headers = AUTH | {"X-Request-Id": request_id}
     before = counters(server)
