@@ -16,7 +16,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.
 
 class ExecutorMetrics:
     """Advanced by the server after each applied operation (replays count once, as steps
-    replayed). Thread-safe: operations run on the executor's thread."""
+    replayed): a step's on the event loop while the next one runs, the others on the
+    executor's thread (prometheus_client's metrics take either)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import secrets
@@ -56,6 +57,18 @@ T = TypeVar("T")
 MAX_DETAILS_CHARS = 2000
 
 
+@dataclasses.dataclass(slots=True)
+class _Ran:
+    """A step applied on the executor's thread, for the event loop to count (``_account``)."""
+
+    step: ExecuteStep
+    result: StepResult
+    step_s: float  # inside the step: cache operations, forward passes, sampling
+    overhead_s: float  # the executor's own time around it, on its thread
+    read_s: float  # reading the call, while the step before ran
+    displaced: object  # the applied step and the ledger entries it replaced
+
+
 class ExecutorService(pb_grpc.ExecutorServicer):
     """Runs every pool operation on the thread that loaded the model, one at a time in
     the order the calls arrived (that thread's queue), so health checks answer while a
@@ -77,6 +90,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.info: ModelInfo | None = None
         self.ledger = StepLedger()
         self._last_applied: tuple[ExecuteStep, StepResult] | None = None  # see _fill_followers
+        self._applied: collections.deque[_Ran] = collections.deque()  # to count: _account
+        self._loop = asyncio.get_running_loop()  # where they are counted
         self.stats = ExecutorStats(instance_id=secrets.token_hex(8))
         self.metrics = ExecutorMetrics()
 
@@ -153,19 +168,18 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         leaves the epoch, the ledger and the pools as they were, and the stats.
 
         The time spent here outside the step is the executor's own between two forward
-        passes; ``read_s``, the time the call took to read, is counted with it."""
+        passes; ``read_s``, the time the call took to read, is counted with it. Counting
+        the step, and freeing what it displaced, wait for the event loop (``_account``),
+        which does them while the next step runs."""
         start = time.perf_counter()
         info = self._ready_info()
         if self.ledger.judge(step.step_id, step.epoch, fingerprint) is not None:
             return self._replay(step, fingerprint)
         self._fill_followers(step)
         validate_followers(step, info)
-        result = self._apply(step, fingerprint)
-        s = self.stats
-        overhead = time.perf_counter() - start - s.last_step_seconds
-        s.total_overhead_seconds += overhead
-        s.total_read_seconds += read_s
-        self.metrics.observe_overhead(overhead, read_s)
+        result = self._apply(step, fingerprint, start, read_s)
+        # Queued before the answer is handed over: the stats count the step when it is.
+        self._loop.call_soon_threadsafe(self._account)
         return result
 
     def _fill_followers(self, step: ExecuteStep) -> None:
@@ -220,21 +234,39 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         log.info("executor.step_replayed", step_id=step.step_id, epoch=step.epoch)
         return result
 
-    def _apply(self, step: ExecuteStep, fingerprint: bytes) -> StepResult:
-        start = time.perf_counter()
+    def _apply(
+        self, step: ExecuteStep, fingerprint: bytes, start: float, read_s: float
+    ) -> StepResult:
+        """Run the step and record it; queue it to be counted (``start``: when its call
+        began on this thread). Only the queue holds what it displaced once this returns."""
+        begin = time.perf_counter()
         result = self.executor.execute(step)
-        elapsed = time.perf_counter() - start
-        self.ledger.record(step.step_id, step.epoch, fingerprint, result)
-        self._last_applied = (step, result)
-        s = self.stats
-        s.epoch, s.num_steps = self.ledger.epoch, s.num_steps + 1
-        s.last_step_id, s.last_step_seconds = step.step_id, elapsed
-        s.total_step_seconds += elapsed
-        s.num_blocks_swapped_out += len(step.blocks_to_swap_out)
-        s.num_blocks_swapped_in += len(step.blocks_to_swap_in)
-        s.num_blocks_copied += len(step.blocks_to_copy)
-        self.metrics.observe_step(step, result, elapsed)
+        end = time.perf_counter()
+        dropped = self.ledger.record(step.step_id, step.epoch, fingerprint, result)
+        previous, self._last_applied = self._last_applied, (step, result)
+        overhead_s = time.perf_counter() - start - (end - begin)
+        self._applied.append(
+            _Ran(step, result, end - begin, overhead_s, read_s, (previous, dropped))
+        )
         return result
+
+    def _account(self) -> None:
+        """Count the steps applied since in the stats and metrics, on the event loop; what
+        they displaced is freed here rather than before the next forward pass."""
+        s = self.stats
+        while self._applied:
+            ran = self._applied.popleft()
+            step = ran.step
+            s.epoch, s.num_steps = self.ledger.epoch, s.num_steps + 1
+            s.last_step_id, s.last_step_seconds = step.step_id, ran.step_s
+            s.total_step_seconds += ran.step_s
+            s.total_overhead_seconds += ran.overhead_s
+            s.total_read_seconds += ran.read_s
+            s.num_blocks_swapped_out += len(step.blocks_to_swap_out)
+            s.num_blocks_swapped_in += len(step.blocks_to_swap_in)
+            s.num_blocks_copied += len(step.blocks_to_copy)
+            self.metrics.observe_step(step, ran.result, ran.step_s)
+            self.metrics.observe_overhead(ran.overhead_s, ran.read_s)
 
     async def Fence(
         self, request: pb.FenceRequest, context: grpc.aio.ServicerContext

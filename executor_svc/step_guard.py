@@ -266,8 +266,13 @@ class StepLedger:
         self.epoch = max(self.epoch, epoch)
         return kept.result
 
-    def record(self, step_id: int, epoch: int, fingerprint: bytes, result: StepResult) -> None:
+    def record(
+        self, step_id: int, epoch: int, fingerprint: bytes, result: StepResult
+    ) -> list[_Applied]:
         """Remember an applied step and its result (the last ``KEPT_STEPS`` are kept), and
-        its epoch as the newest seen."""
-        self._kept = [*self._kept[1 - KEPT_STEPS :], _Applied(step_id, epoch, fingerprint, result)]
+        its epoch as the newest seen. Returns what is no longer kept, for the caller to let
+        go of off the step's path: a result holds objects for every sequence."""
+        kept = [*self._kept, _Applied(step_id, epoch, fingerprint, result)]
+        self._kept, dropped = kept[-KEPT_STEPS:], kept[:-KEPT_STEPS]
         self.epoch = max(self.epoch, epoch)
+        return dropped
